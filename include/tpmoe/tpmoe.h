@@ -1,0 +1,60 @@
+// tpmoe's public API: load a MiniMax-M3 checkpoint (or a built-in preset), generate tokens.
+//
+//   auto engine = tpmoe::Engine::from_checkpoint("/models/m3", {.tp = 2});
+//   auto result = engine->generate({.prompts = {{1, 2, 3}}, .max_new_tokens = 16});
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace tpmoe {
+
+struct EngineOptions {
+  int tp = 1;                        // tensor-parallel ranks (threads on the CPU)
+  std::string device = "cpu";        // "cpu" (the reference backend) or "cuda"
+  bool allreduce_fusion = true;      // deferred all-reduce fused with the next RMSNorm
+  bool shared_expert_fusion = true;  // shared experts as extra routed-expert rows
+  std::vector<int> pp_stage_ends;    // pipeline stage boundaries the fusion plan honours
+  int threads = 0;                   // CPU threads in all (0: every core)
+};
+
+struct GenerateRequest {
+  std::vector<std::vector<int32_t>> prompts;  // one per sequence; lengths may differ
+  int max_new_tokens = 16;                    // G: greedy steps per sequence
+  // Teacher forcing: when non-empty, decode step i >= 1 feeds forced_tokens[b][i-1] instead of the
+  // argmax of step i-1 (each row needs at least max_new_tokens - 1 tokens).
+  std::vector<std::vector<int32_t>> forced_tokens;
+  bool return_prefill_logits = false;  // logits at every prompt position
+};
+
+struct GenerateResult {
+  int vocab_size = 0;
+  std::vector<std::vector<float>> prefill_logits;  // [b][P_b * V] when asked for
+  // [i][b * V]: step 0 is the last prompt position, step i >= 1 the token fed at position P_b + i - 1.
+  std::vector<std::vector<float>> step_logits;
+  std::vector<std::vector<int32_t>> generated;  // [b][G]: argmax of each step
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+class Engine {
+ public:
+  static std::unique_ptr<Engine> from_checkpoint(const std::filesystem::path& dir, const EngineOptions& options);
+  // A built-in preset ("tiny", "m3") with random weights, generated in memory.
+  static std::unique_ptr<Engine> from_preset(const std::string& preset, std::optional<int> layers, uint64_t seed,
+                                             const EngineOptions& options);
+  virtual ~Engine() = default;
+
+  virtual GenerateResult generate(const GenerateRequest& request) = 0;
+  // Config summary and the fusion plan, as `tpmoe inspect` prints them.
+  virtual std::string describe() const = 0;
+  // Checkpoint tensors the model did not read (vision and mtp. tensors excluded): reported, not fatal.
+  virtual const std::vector<std::string>& unknown_tensors() const = 0;
+  // Bytes of weights each rank holds.
+  virtual size_t weight_bytes_per_rank() const = 0;
+};
+
+}  // namespace tpmoe

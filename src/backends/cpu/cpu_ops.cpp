@@ -1,0 +1,317 @@
+#include "backends/cpu/cpu_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "core/error.h"
+
+namespace tpmoe::cpu {
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr int64_t kMinParallelWork = int64_t(1) << 20;  // multiply-adds
+
+// Row `row` of a [rows, n] weight (bf16 or fp32) widened to fp32 into `dst`.
+void load_row(const Tensor& w, int64_t row, int64_t n, float* dst) {
+  if (w.dtype == DType::kF32) {
+    std::memcpy(dst, w.as<const float>() + row * n, size_t(n) * sizeof(float));
+  } else if (w.dtype == DType::kBF16) {
+    const uint16_t* src = w.as<const uint16_t>() + row * n;
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+  } else {
+    TPMOE_FAIL("CPU backend: weights must be stored as bf16 or fp32, got {}", dtype_name(w.dtype));
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// out[T, N] = x[T, K] w[N, K]^T for raw pointers; one weight row is widened once and used by all
+// T tokens.
+void matmul_rows(const float* x, int64_t T, int64_t K, const Tensor& w, int64_t N, float* out) {
+  // Threads only pay off once there is real work: a team for a 64x128 product costs more than it saves.
+#pragma omp parallel if (T * N * K >= kMinParallelWork)
+  {
+    std::vector<float> row(static_cast<size_t>(K));
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n) {
+      load_row(w, n, K, row.data());
+      for (int64_t t = 0; t < T; ++t) out[t * N + n] = dot(x + t * K, row.data(), K);
+    }
+  }
+}
+
+float sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+}  // namespace
+
+void gemma_rmsnorm_row(const float* v, const float* w, int n, float eps, float* y) {
+  double ss = 0;
+  for (int i = 0; i < n; ++i) ss += double(v[i]) * v[i];
+  const float inv = float(1.0 / std::sqrt(ss / n + eps));
+  for (int i = 0; i < n; ++i) y[i] = v[i] * inv * (1.f + w[i]);
+}
+
+float swiglu_oai(float gate, float up, const SwigluParams& p) {
+  gate = std::min(gate, p.limit);
+  up = std::clamp(up, -p.limit, p.limit);
+  return (up + 1.f) * gate * sigmoid(p.alpha * gate);
+}
+
+std::vector<int> select_blocks(const float* scores, int pos, int block_size, int topk_blocks, int local_blocks) {
+  const int num_blocks = pos / block_size + 1;  // blocks holding a key <= pos
+  std::vector<float> block_score(size_t(num_blocks), -kInf);
+  for (int t = 0; t <= pos; ++t) block_score[t / block_size] = std::max(block_score[t / block_size], scores[t]);
+  for (int j = 0; j < local_blocks; ++j) block_score[std::max(0, pos / block_size - j)] = kInf;
+  std::vector<int> order(static_cast<size_t>(num_blocks));
+  std::iota(order.begin(), order.end(), 0);
+  const int keep = std::min(topk_blocks, num_blocks);
+  // Highest score first, ties to the lower block index, so every backend keeps the same set.
+  std::partial_sort(order.begin(), order.begin() + keep, order.end(), [&](int a, int b) {
+    return block_score[a] != block_score[b] ? block_score[a] > block_score[b] : a < b;
+  });
+  order.resize(size_t(keep));
+  std::erase_if(order, [&](int b) { return block_score[b] == -kInf; });  // a kept -inf block is dropped
+  return order;
+}
+
+Tensor CpuOps::alloc_typed(int64_t rows, int64_t cols, DType dtype) {
+  const size_t bytes = size_t(rows * cols) * dtype_size(dtype);
+  workspace_.push_back(std::make_unique<std::byte[]>(std::max<size_t>(bytes, 1)));
+  return Tensor::make(workspace_.back().get(), dtype, rows, cols);
+}
+
+void CpuOps::init_cache(const CacheShape& shape) {
+  cache_shape_ = shape;
+  cache_.assign(size_t(shape.num_layers), {});
+  const size_t slots = size_t(shape.max_seqs) * size_t(shape.max_len);
+  for (int l = 0; l < shape.num_layers; ++l) {
+    cache_[l].k.assign(slots * shape.num_kv_heads * shape.head_dim, 0.f);
+    cache_[l].v.assign(slots * shape.num_kv_heads * shape.head_dim, 0.f);
+    if (shape.sparse_layer[l]) cache_[l].index_k.assign(slots * shape.index_head_dim, 0.f);
+  }
+}
+
+void CpuOps::begin_step(const StepTokens& step) {
+  workspace_.clear();
+  for (int t = 0; t < step.num_tokens(); ++t) {
+    TPMOE_CHECK(step.seq_slots[t] >= 0 && step.seq_slots[t] < cache_shape_.max_seqs,
+                "sequence slot {} outside the cache's {} slots", step.seq_slots[t], cache_shape_.max_seqs);
+    TPMOE_CHECK(step.positions[t] >= 0 && step.positions[t] < cache_shape_.max_len,
+                "position {} does not fit the KV cache ({} positions per sequence)", step.positions[t],
+                cache_shape_.max_len);
+  }
+  step_ = &step;
+}
+
+void CpuOps::embed(Tensor table, Tensor out) {
+  const int64_t H = table.dim(1), V = table.dim(0);
+  for (int t = 0; t < step_->num_tokens(); ++t) {
+    const int32_t id = step_->token_ids[t];
+    TPMOE_CHECK(id >= 0 && id < V, "token id {} is outside the vocabulary (size {})", id, V);
+    load_row(table, id, H, out.as<float>() + t * H);
+  }
+}
+
+void CpuOps::rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) {
+  const int n = int(weight.dim(0));
+  const int64_t rows = x.numel() / n;
+#pragma omp parallel for if (rows * n >= kMinParallelWork)
+  for (int64_t r = 0; r < rows; ++r)
+    gemma_rmsnorm_row(x.as<float>() + r * n, weight.as<float>(), n, eps, out.as<float>() + r * n);
+}
+
+void CpuOps::add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) {
+  add(partial, residual);
+  rmsnorm(residual, weight, eps, out);
+}
+
+void CpuOps::add(Tensor x, Tensor y) {
+  const float* a = x.as<float>();
+  float* b = y.as<float>();
+  for (int64_t i = 0; i < y.numel(); ++i) b[i] += a[i];
+}
+
+void CpuOps::linear(Tensor x, Tensor weight, Tensor out) {
+  matmul_rows(x.as<float>(), x.dim(0), x.dim(1), weight, weight.dim(0), out.as<float>());
+}
+
+void CpuOps::head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) {
+  const int hd = p.head_dim, half = p.rotary_dim / 2;
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int i = 0; i < half; ++i) inv_freq[i] = float(std::pow(double(p.theta), -2.0 * i / p.rotary_dim));
+  const int T = int(x.dim(0));
+#pragma omp parallel for if (int64_t(T) * num_heads * hd * 16 >= kMinParallelWork)
+  for (int t = 0; t < T; ++t) {
+    for (int h = 0; h < num_heads; ++h) {
+      float* v = x.as<float>() + (int64_t(t) * num_heads + h) * hd;
+      gemma_rmsnorm_row(v, weight.as<float>(), hd, p.eps, v);
+      for (int i = 0; i < half; ++i) {
+        const float angle = float(step_->positions[t]) * inv_freq[i];
+        const float c = std::cos(angle), s = std::sin(angle);
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c - b * s;
+        v[i + half] = b * c + a * s;
+      }
+    }
+  }
+}
+
+void CpuOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
+                       Tensor out) {
+  LayerCache& cache = cache_[p.layer];
+  const int T = step_->num_tokens(), hd = p.head_dim, nkv = p.num_kv_heads, L = cache_shape_.max_len;
+  const bool sparse = !index_q.empty();
+  auto kv_offset = [&](int slot, int pos) { return (size_t(slot) * L + pos) * nkv * hd; };
+  // Every key of the step is written before any query reads, so prefill tokens see each other.
+  for (int t = 0; t < T; ++t) {
+    const int slot = step_->seq_slots[t], pos = step_->positions[t];
+    std::memcpy(&cache.k[kv_offset(slot, pos)], k.as<float>() + size_t(t) * nkv * hd, sizeof(float) * nkv * hd);
+    std::memcpy(&cache.v[kv_offset(slot, pos)], v.as<float>() + size_t(t) * nkv * hd, sizeof(float) * nkv * hd);
+    if (sparse)
+      std::memcpy(&cache.index_k[(size_t(slot) * L + pos) * p.index_head_dim],
+                  index_k.as<float>() + size_t(t) * p.index_head_dim, sizeof(float) * p.index_head_dim);
+  }
+  const int group = p.num_q_heads / nkv;
+  int64_t work = 0;  // query x key pairs
+  for (int t = 0; t < T; ++t) work += int64_t(step_->positions[t] + 1) * p.num_q_heads * hd;
+#pragma omp parallel for schedule(dynamic) if (work >= kMinParallelWork)
+  for (int t = 0; t < T; ++t) {
+    const int slot = step_->seq_slots[t], pos = step_->positions[t];
+    std::vector<float> scores(size_t(pos) + 1);
+    std::vector<char> visible(size_t(pos) + 1, 1);
+    for (int g = 0; g < nkv; ++g) {
+      if (sparse) {  // the lightning indexer picks the key blocks this KV group may read
+        const float* iq = index_q.as<float>() + (size_t(t) * p.num_index_heads + g) * p.index_head_dim;
+        for (int s = 0; s <= pos; ++s)
+          scores[s] = dot(iq, &cache.index_k[(size_t(slot) * L + s) * p.index_head_dim], p.index_head_dim);
+        std::fill(visible.begin(), visible.end(), 0);
+        for (int b : select_blocks(scores.data(), pos, p.block_size, p.topk_blocks, p.local_blocks))
+          for (int s = b * p.block_size; s < std::min(pos + 1, (b + 1) * p.block_size); ++s) visible[s] = 1;
+      }
+      for (int j = g * group; j < (g + 1) * group; ++j) {
+        const float* qv = q.as<float>() + (size_t(t) * p.num_q_heads + j) * hd;
+        float max_logit = -kInf;
+        for (int s = 0; s <= pos; ++s) {
+          scores[s] = visible[s] ? dot(qv, &cache.k[kv_offset(slot, s) + size_t(g) * hd], hd) * p.scale : -kInf;
+          max_logit = std::max(max_logit, scores[s]);
+        }
+        float* o = out.as<float>() + (size_t(t) * p.num_q_heads + j) * hd;
+        std::fill(o, o + hd, 0.f);
+        double denom = 0;
+        for (int s = 0; s <= pos; ++s) {
+          if (!visible[s]) continue;
+          const float w = std::exp(scores[s] - max_logit);
+          denom += w;
+          const float* vv = &cache.v[kv_offset(slot, s) + size_t(g) * hd];
+          for (int d = 0; d < hd; ++d) o[d] += w * vv[d];
+        }
+        for (int d = 0; d < hd; ++d) o[d] = float(o[d] / denom);
+      }
+    }
+  }
+}
+
+void CpuOps::swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) {
+  const int64_t T = gate_up.dim(0), n = out.dim(1);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* gu = gate_up.as<float>() + t * 2 * n;
+    for (int64_t i = 0; i < n; ++i) out.as<float>()[t * n + i] = swiglu_oai(gu[i], gu[n + i], p);
+  }
+}
+
+void CpuOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) {
+  const int T = int(router_logits.dim(0)), E = p.num_experts, k = p.top_k, slots = k + p.num_shared_slots;
+  std::vector<float> score(static_cast<size_t>(E)), choice(static_cast<size_t>(E));
+  std::vector<int> order(static_cast<size_t>(E));
+  for (int t = 0; t < T; ++t) {
+    for (int e = 0; e < E; ++e) {
+      score[e] = sigmoid(router_logits.as<float>()[size_t(t) * E + e]);
+      choice[e] = score[e] + bias.as<float>()[e];  // the bias only chooses
+    }
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                      [&](int a, int b) { return choice[a] != choice[b] ? choice[a] > choice[b] : a < b; });
+    float sum = 0;
+    for (int i = 0; i < k; ++i) sum += score[order[i]];
+    int32_t* ids = slot_ids.as<int32_t>() + size_t(t) * slots;
+    float* w = slot_weights.as<float>() + size_t(t) * slots;
+    for (int i = 0; i < k; ++i) {
+      ids[i] = order[i];
+      w[i] = score[order[i]] / sum;
+    }
+    for (int i = 0; i < p.num_shared_slots; ++i) {
+      ids[k + i] = E + i;
+      w[k + i] = p.shared_weight;
+    }
+  }
+}
+
+void CpuOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
+                         const SwigluParams& p, float scale, Tensor out) {
+  const int64_t T = x.dim(0), H = x.dim(1), slots = slot_ids.dim(1);
+  const int64_t R = gate_up.dim(0), I = down.dim(2);
+  // Bin (token, slot) pairs by physical expert row, as a grouped GEMM would. The bins are sized by
+  // the weights' row count R (routed + fused shared rows): an id outside it is a routing bug.
+  std::vector<std::vector<int64_t>> bins(static_cast<size_t>(R));
+  for (int64_t ts = 0; ts < T * slots; ++ts) {
+    const int32_t e = slot_ids.as<int32_t>()[ts];
+    TPMOE_CHECK(e >= 0 && e < R, "MoE: slot {} of token {} routes to expert row {}, but there are {} rows", ts % slots,
+                ts / slots, e, R);
+    bins[e].push_back(ts);
+  }
+  // Each (token, slot) output is computed once, then combined in slot order so the sum does not
+  // depend on how experts were scheduled.
+  std::vector<float> slot_out(size_t(T * slots * H), 0.f);
+#pragma omp parallel for schedule(dynamic) if (T * slots * 3 * I * H >= kMinParallelWork)
+  for (int64_t e = 0; e < R; ++e) {
+    if (bins[e].empty()) continue;
+    const int64_t n = int64_t(bins[e].size());
+    std::vector<float> xs(static_cast<size_t>(n * H)), gu(size_t(n * 2 * I)), act(size_t(n * I));
+    for (int64_t i = 0; i < n; ++i)
+      std::memcpy(&xs[i * H], x.as<float>() + (bins[e][i] / slots) * H, sizeof(float) * H);
+    Tensor w_gu = Tensor::make(static_cast<std::byte*>(gate_up.data) + e * 2 * I * H * dtype_size(gate_up.dtype),
+                               gate_up.dtype, 2 * I, H);
+    Tensor w_down =
+        Tensor::make(static_cast<std::byte*>(down.data) + e * H * I * dtype_size(down.dtype), down.dtype, H, I);
+    matmul_rows(xs.data(), n, H, w_gu, 2 * I, gu.data());
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t j = 0; j < I; ++j) act[i * I + j] = swiglu_oai(gu[i * 2 * I + j], gu[i * 2 * I + I + j], p);
+    std::vector<float> y(static_cast<size_t>(n * H));
+    matmul_rows(act.data(), n, I, w_down, H, y.data());
+    for (int64_t i = 0; i < n; ++i) std::memcpy(&slot_out[bins[e][i] * H], &y[i * H], sizeof(float) * H);
+  }
+  for (int64_t t = 0; t < T; ++t) {
+    float* o = out.as<float>() + t * H;
+    std::fill(o, o + H, 0.f);
+    for (int64_t s = 0; s < slots; ++s) {
+      const float w = slot_weights.as<float>()[t * slots + s];
+      const float* y = &slot_out[(t * slots + s) * H];
+      for (int64_t h = 0; h < H; ++h) o[h] += w * y[h];
+    }
+    for (int64_t h = 0; h < H; ++h) o[h] *= scale;
+  }
+}
+
+void CpuOps::gather_logit_rows(Tensor x, Tensor out) {
+  const int64_t H = x.dim(1);
+  for (size_t r = 0; r < step_->logit_rows.size(); ++r)
+    std::memcpy(out.as<float>() + r * H, x.as<float>() + step_->logit_rows[r] * H, sizeof(float) * H);
+}
+
+std::vector<float> CpuOps::to_host(Tensor t) {
+  std::vector<float> v(static_cast<size_t>(t.numel()));
+  if (t.dtype == DType::kF32) std::memcpy(v.data(), t.data, t.nbytes());
+  else load_row(t, 0, t.numel(), v.data());
+  return v;
+}
+
+}  // namespace tpmoe::cpu

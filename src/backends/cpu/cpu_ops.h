@@ -1,0 +1,56 @@
+// The CPU backend: the reference implementation of every op (the oracle every other backend is
+// tested against). fp32 math over weights in their stored dtype (bf16 or fp32, widened exactly on
+// the fly), OpenMP across output rows. Clarity first: each op is written the way SPEC §1 states it.
+#pragma once
+
+#include <memory>
+#include <vector>
+
+#include "model/ops.h"
+
+namespace tpmoe::cpu {
+
+class CpuOps final : public Ops {
+ public:
+  Tensor alloc(int64_t rows, int64_t cols) override { return alloc_typed(rows, cols, DType::kF32); }
+  Tensor alloc_typed(int64_t rows, int64_t cols, DType dtype) override;
+  void init_cache(const CacheShape& shape) override;
+  void begin_step(const StepTokens& step) override;
+
+  void embed(Tensor table, Tensor out) override;
+  void rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) override;
+  void add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) override;
+  void add(Tensor x, Tensor y) override;
+  void linear(Tensor x, Tensor weight, Tensor out) override;
+  void head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) override;
+  void attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
+                 Tensor out) override;
+  void swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) override;
+  void route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) override;
+  void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down, const SwigluParams& p,
+                   float scale, Tensor out) override;
+  void gather_logit_rows(Tensor x, Tensor out) override;
+  std::vector<float> to_host(Tensor t) override;
+
+ private:
+  struct LayerCache {
+    std::vector<float> k, v;      // [max_seqs][max_len][num_kv_heads][head_dim]
+    std::vector<float> index_k;   // [max_seqs][max_len][index_head_dim], sparse layers only
+  };
+  const StepTokens* step_ = nullptr;
+  CacheShape cache_shape_;
+  std::vector<LayerCache> cache_;
+  std::vector<std::unique_ptr<std::byte[]>> workspace_;
+};
+
+// Free functions the ops are built from, exposed so tests can check them on their own.
+
+// Gemma RMSNorm of one row: y = v / sqrt(mean(v^2) + eps) * (1 + w).
+void gemma_rmsnorm_row(const float* v, const float* w, int n, float eps, float* y);
+// SwiGLU-OAI of one value pair.
+float swiglu_oai(float gate, float up, const SwigluParams& p);
+// The blocks the lightning indexer keeps for a query at position `pos` given its scores against
+// keys 0..pos (scores[t] for t <= pos). Returns block indices, best first.
+std::vector<int> select_blocks(const float* scores, int pos, int block_size, int topk_blocks, int local_blocks);
+
+}  // namespace tpmoe::cpu

@@ -1,0 +1,304 @@
+// The `tpmoe` command: generate, make-model, inspect, bench. Errors print one line and exit 1.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <iostream>
+#include <sstream>
+
+#include "core/error.h"
+#include "engine/report.h"
+#include "io/checkpoint.h"
+#include "model/presets.h"
+#include "tpmoe/tpmoe.h"
+
+namespace {
+
+using namespace tpmoe;
+
+constexpr const char* kDefaultPreset = "tiny";  // the embedded default model
+
+std::vector<int> parse_int_list(const std::string& s, const std::string& flag) {
+  std::vector<int> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    int v = 0;
+    try {
+      v = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TPMOE_CHECK(used == item.size() && !item.empty(), "{}: '{}' is not a comma-separated list of integers", flag, s);
+    out.push_back(v);
+  }
+  return out;
+}
+
+// Flags shared by generate, inspect and bench.
+struct ModelFlags {
+  std::string model_dir;
+  std::string preset;
+  std::optional<int> layers;
+  uint64_t seed = 0;
+  int tp = 1;
+  std::string device = "cpu";
+  std::string shared_fusion = "on", allreduce_fusion = "on";
+  int threads = 0;
+
+  void add_to(CLI::App* app, bool with_device = true) {
+    app->add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)");
+    app->add_option("--preset", preset, "built-in random model instead of --model: tiny, m3");
+    app->add_option("--layers", layers, "layers of the preset");
+    app->add_option("--seed", seed, "seed of the preset's random weights");
+    app->add_option("--tp", tp, "tensor-parallel ranks")->check(CLI::PositiveNumber);
+    if (with_device) app->add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+    app->add_option("--shared-expert-fusion", shared_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
+    app->add_option("--allreduce-fusion", allreduce_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
+    app->add_option("--threads", threads, "CPU threads in all (default: every core)");
+  }
+  EngineOptions options() const {
+    EngineOptions o;
+    o.tp = tp;
+    o.device = device;
+    o.shared_expert_fusion = shared_fusion == "on";
+    o.allreduce_fusion = allreduce_fusion == "on";
+    o.threads = threads;
+    return o;
+  }
+  std::unique_ptr<Engine> load(const EngineOptions& o) const {
+    TPMOE_CHECK(model_dir.empty() || preset.empty(), "give --model or --preset, not both");
+    if (!model_dir.empty()) return Engine::from_checkpoint(model_dir, o);
+    return Engine::from_preset(preset.empty() ? kDefaultPreset : preset, layers, seed, o);
+  }
+};
+
+void warn_unknown(const Engine& engine) {
+  const auto& unknown = engine.unknown_tensors();
+  if (!unknown.empty())
+    fmt::print(stderr, "warning: {} checkpoint tensor(s) not used by the model: {}\n", unknown.size(),
+               fmt::join(unknown.begin(), unknown.begin() + std::min<size_t>(unknown.size(), 8), ", "));
+}
+
+// ---- generate ----------------------------------------------------------------------------------
+
+struct GenerateFlags {
+  ModelFlags model;
+  std::string input, prompt_ids, dump;
+  std::optional<int> max_new_tokens;
+  bool teacher_force = false;
+};
+
+void run_generate(const GenerateFlags& f) {
+  GenerateRequest req;
+  std::vector<std::vector<int32_t>> file_generated;
+  TPMOE_CHECK(f.input.empty() || f.prompt_ids.empty(), "give --input or --prompt-ids, not both");
+  if (!f.input.empty()) {
+    const auto file = io::SafetensorsSet::open_file(f.input);
+    const io::TensorView* ids = file.find("input_ids");
+    TPMOE_CHECK(ids && ids->shape.size() == 2, "{}: needs an 'input_ids' tensor of shape [B, P]", f.input);
+    const auto values = io::to_i64(*ids);
+    const int64_t B = ids->shape[0], P = ids->shape[1];
+    for (int64_t b = 0; b < B; ++b) req.prompts.emplace_back(values.begin() + b * P, values.begin() + (b + 1) * P);
+    if (const io::TensorView* gen = file.find("generated_ids")) {
+      TPMOE_CHECK(gen->shape.size() == 2 && gen->shape[0] == B, "{}: 'generated_ids' must be [B={}, G], is {}", f.input,
+                  B, gen->shape_str());
+      const auto g = io::to_i64(*gen);
+      for (int64_t b = 0; b < B; ++b)
+        file_generated.emplace_back(g.begin() + b * gen->shape[1], g.begin() + (b + 1) * gen->shape[1]);
+    }
+  } else if (!f.prompt_ids.empty()) {
+    const auto ids = parse_int_list(f.prompt_ids, "--prompt-ids");
+    req.prompts.emplace_back(ids.begin(), ids.end());
+  } else {
+    TPMOE_CHECK(f.model.model_dir.empty(), "generate: give --input FILE or --prompt-ids 1,2,3");
+    req.prompts.push_back({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16});
+    fmt::print("embedded default: preset '{}', prompt ids 1..16\n", f.model.preset.empty() ? kDefaultPreset : f.model.preset);
+  }
+  if (f.teacher_force) {
+    TPMOE_CHECK(!file_generated.empty(), "--teacher-force needs --input with a 'generated_ids' tensor");
+    req.forced_tokens = file_generated;
+  }
+  req.max_new_tokens = f.max_new_tokens.value_or(f.teacher_force ? int(file_generated[0].size()) : 16);
+  req.return_prefill_logits = !f.dump.empty();
+
+  auto engine = f.model.load(f.model.options());
+  warn_unknown(*engine);
+  const GenerateResult r = engine->generate(req);
+  const int B = int(req.prompts.size()), G = req.max_new_tokens, V = r.vocab_size;
+  for (int b = 0; b < B; ++b) fmt::print("sequence {}: {}\n", b, fmt::join(r.generated[b], " "));
+  const double decode_tokens = double(B) * (G - 1);
+  fmt::print("prefill {:.1f} ms; decode {} steps x {} sequences in {:.1f} ms ({:.1f} tokens/s)\n",
+             r.prefill_seconds * 1e3, G - 1, B, r.decode_seconds * 1e3,
+             r.decode_seconds > 0 ? decode_tokens / r.decode_seconds : 0.0);
+  if (f.dump.empty()) return;
+
+  std::map<std::string, io::OwnedTensor> out;
+  const size_t P = req.prompts[0].size();
+  const bool same_length =
+      std::all_of(req.prompts.begin(), req.prompts.end(), [&](const auto& p) { return p.size() == P; });
+  if (same_length) {
+    std::vector<float> prefill;
+    for (const auto& p : r.prefill_logits) prefill.insert(prefill.end(), p.begin(), p.end());
+    out["prefill_logits"] = io::OwnedTensor::from_f32({B, int64_t(P), V}, prefill, DType::kF32);
+  }
+  std::vector<float> steps;
+  for (const auto& s : r.step_logits) steps.insert(steps.end(), s.begin(), s.end());
+  out["step_logits"] = io::OwnedTensor::from_f32({G, B, V}, steps, DType::kF32);
+  std::vector<int64_t> gen;
+  for (const auto& g : r.generated) gen.insert(gen.end(), g.begin(), g.end());
+  out["generated_ids"] = io::OwnedTensor::from_i64({B, G}, gen);
+  std::vector<int64_t> inputs;
+  if (same_length) {
+    for (const auto& p : req.prompts) inputs.insert(inputs.end(), p.begin(), p.end());
+    out["input_ids"] = io::OwnedTensor::from_i64({B, int64_t(P)}, inputs);
+  }
+  io::write_safetensors(f.dump, out);
+  fmt::print("wrote {}\n", f.dump);
+}
+
+// ---- make-model --------------------------------------------------------------------------------
+
+struct MakeModelFlags {
+  std::string preset, out, layout = "hf", dtype = "bf16";
+  std::optional<int> layers;
+  uint64_t seed = 0;
+  int shards = 1;
+};
+
+void run_make_model(const MakeModelFlags& f) {
+  const ModelConfig config = preset_config(f.preset, f.layers);
+  const auto layout = f.layout == "hub" ? io::CheckpointLayout::kHub : io::CheckpointLayout::kTransformers;
+  const DType dtype = f.dtype == "f32" ? DType::kF32 : DType::kBF16;
+  io::write_checkpoint(f.out, config, random_weights(config, f.seed, dtype), layout, f.shards);
+  fmt::print("wrote {} ({}, {} layers, {} shard(s))\n", f.out, io::layout_name(layout), config.num_layers, f.shards);
+}
+
+// ---- inspect -----------------------------------------------------------------------------------
+
+struct InspectFlags {
+  ModelFlags model;
+  std::string pp_stages;
+};
+
+void run_inspect(const InspectFlags& f) {
+  ModelConfig config;
+  DType matrix_dtype = DType::kBF16;
+  bool shared_format_matches = true;
+  std::string unknown;
+  if (!f.model.model_dir.empty()) {
+    const auto ckpt = io::Checkpoint::open(f.model.model_dir);
+    config = ckpt.config();
+    matrix_dtype = ckpt.common("embed_tokens.weight", {config.vocab_size, config.hidden_size}).dtype;
+    matrix_dtype = matrix_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+    fmt::print("checkpoint: {} ({})\n", f.model.model_dir, io::layout_name(ckpt.layout()));
+  } else {
+    config = preset_config(f.model.preset.empty() ? kDefaultPreset : f.model.preset, f.model.layers);
+  }
+  ParallelLayout layout;
+  layout.tp = f.model.tp;
+  if (!f.pp_stages.empty()) layout.pp_stage_ends = parse_int_list(f.pp_stages, "--pp-stages");
+  layout.validate(config);
+  const EngineOptions o = f.model.options();
+  const FusionPlan plan =
+      build_fusion_plan(config, layout, {o.allreduce_fusion, o.shared_expert_fusion}, shared_format_matches);
+  fmt::print("{}{}", describe_config(config), plan.to_string());
+  fmt::print("memory per rank (tp={}):\n", layout.tp);
+  for (int r = 0; r < layout.tp; ++r) {
+    const RankShard s = RankShard::make(config, layout, r);
+    fmt::print("  rank {}: weights {:.3f} GiB ({}), KV cache {} bytes/token (fp32 on cpu), {} bytes/token (bf16)\n", r,
+               double(rank_weight_bytes(config, s, plan, matrix_dtype)) / (1ull << 30), dtype_name(matrix_dtype),
+               rank_kv_bytes_per_token(config, s, DType::kF32), rank_kv_bytes_per_token(config, s, DType::kBF16));
+  }
+}
+
+// ---- bench -------------------------------------------------------------------------------------
+
+struct BenchFlags {
+  ModelFlags model;
+  std::string batches = "1,4,16";
+  int prompt_len = 32, new_tokens = 32;
+};
+
+void run_bench(const BenchFlags& f) {
+  auto engine = f.model.load(f.model.options());
+  fmt::print("decode benchmark: {}, device {}, tp {}, prompt {} tokens, {} new tokens, weights {:.1f} MiB/rank\n",
+             f.model.model_dir.empty() ? "preset " + (f.model.preset.empty() ? std::string(kDefaultPreset) : f.model.preset)
+                                       : f.model.model_dir,
+             f.model.device, f.model.tp, f.prompt_len, f.new_tokens, double(engine->weight_bytes_per_rank()) / (1 << 20));
+  fmt::print("{:>6} {:>12} {:>14} {:>12}\n", "batch", "prefill ms", "decode ms/step", "tokens/s");
+  for (int batch : parse_int_list(f.batches, "--batch")) {
+    GenerateRequest req;
+    for (int b = 0; b < batch; ++b) {
+      std::vector<int32_t> p;
+      for (int i = 0; i < f.prompt_len; ++i) p.push_back(int32_t(1 + (b * 31 + i * 7) % 500));
+      req.prompts.push_back(p);
+    }
+    req.max_new_tokens = f.new_tokens;
+    const GenerateResult r = engine->generate(req);
+    const int steps = f.new_tokens - 1;
+    fmt::print("{:>6} {:>12.2f} {:>14.3f} {:>12.1f}\n", batch, r.prefill_seconds * 1e3, r.decode_seconds * 1e3 / steps,
+               double(batch) * steps / r.decode_seconds);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"tpmoe: MiniMax-M3 mixture-of-experts decoding, tensor-parallel, CPU reference and CUDA"};
+  app.require_subcommand(1);
+
+  GenerateFlags gen;
+  auto* g = app.add_subcommand("generate", "generate tokens greedily (embedded default model without --model)");
+  gen.model.add_to(g);
+  g->add_option("--input", gen.input, "safetensors file with input_ids i64 [B,P] (and generated_ids for teacher forcing)");
+  g->add_option("--prompt-ids", gen.prompt_ids, "one prompt as comma-separated token ids");
+  g->add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate per sequence (G)")->check(CLI::PositiveNumber);
+  g->add_flag("--teacher-force", gen.teacher_force, "feed the input file's generated_ids at each decode step");
+  g->add_option("--dump", gen.dump, "write prefill_logits, step_logits and generated_ids to this safetensors file");
+
+  MakeModelFlags mk;
+  auto* m = app.add_subcommand("make-model", "write a random checkpoint of a preset's shapes");
+  m->add_option("--preset", mk.preset, "tiny or m3")->required()->check(CLI::IsMember({"tiny", "m3"}));
+  m->add_option("--out", mk.out, "output directory")->required();
+  m->add_option("--layers", mk.layers, "number of layers")->check(CLI::PositiveNumber);
+  m->add_option("--layout", mk.layout, "hf (transformers, layout A) or hub (original files, layout B)")
+      ->check(CLI::IsMember({"hf", "hub"}));
+  m->add_option("--seed", mk.seed, "random seed");
+  m->add_option("--dtype", mk.dtype, "bf16 or f32")->check(CLI::IsMember({"bf16", "f32"}));
+  m->add_option("--shards", mk.shards, "number of safetensors shards (an index is written when > 1)")
+      ->check(CLI::PositiveNumber);
+
+  InspectFlags in;
+  auto* i = app.add_subcommand("inspect", "config summary, per-layer fusion plan, memory per rank");
+  in.model.add_to(i, false);
+  i->add_option("--pp-stages", in.pp_stages, "last layer of each pipeline stage, comma-separated");
+
+  BenchFlags bf;
+  auto* b = app.add_subcommand("bench", "decode tokens/s (embedded default model without --model)");
+  bf.model.add_to(b);
+  b->add_option("--batch", bf.batches, "comma-separated batch sizes");
+  b->add_option("--prompt-len", bf.prompt_len, "prompt tokens per sequence")->check(CLI::PositiveNumber);
+  b->add_option("--new-tokens", bf.new_tokens, "generated tokens per sequence")->check(CLI::Range(2, 1 << 20));
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (*g) run_generate(gen);
+    else if (*m) run_make_model(mk);
+    else if (*i) run_inspect(in);
+    else if (*b) run_bench(bf);
+  } catch (const Error& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,141 @@
+#include "model/model.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace tpmoe {
+
+Model::Model(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard, const ModelWeights& weights,
+             Ops& ops, Communicator& comm)
+    : c_(config), plan_(plan), shard_(shard), w_(weights), ops_(ops), comm_(comm) {
+  TPMOE_CHECK(comm.size() == plan.tp, "communicator has {} ranks but the fusion plan was built for tp={}", comm.size(),
+              plan.tp);
+  check_plan_consistent(plan);
+}
+
+CacheShape Model::cache_shape(int max_seqs, int max_len) const {
+  CacheShape s;
+  s.num_layers = c_.num_layers;
+  for (auto t : c_.layer_types) s.sparse_layer.push_back(t == AttentionType::kSparse);
+  s.num_kv_heads = shard_.num_kv_heads;
+  s.head_dim = c_.head_dim;
+  s.index_head_dim = c_.index_head_dim;
+  s.max_seqs = max_seqs;
+  s.max_len = max_len;
+  return s;
+}
+
+Tensor Model::attention(int l, Tensor h, int T) {
+  const AttentionWeights& a = w_.layers[l].attn;
+  const int nq = shard_.num_q_heads, nkv = shard_.num_kv_heads, hd = c_.head_dim;
+  const RopeParams rope{hd, c_.rotary_dim, float(c_.rope_theta), c_.rms_norm_eps};
+  Tensor q = ops_.alloc(T, nq * hd), k = ops_.alloc(T, nkv * hd), v = ops_.alloc(T, nkv * hd);
+  ops_.linear(h, a.q_proj, q);
+  ops_.linear(h, a.k_proj, k);
+  ops_.linear(h, a.v_proj, v);
+  ops_.head_norm_rope(q, nq, a.q_norm, rope);
+  ops_.head_norm_rope(k, nkv, a.k_norm, rope);
+
+  AttentionParams p;
+  p.layer = l;
+  p.num_q_heads = nq;
+  p.num_kv_heads = nkv;
+  p.head_dim = hd;
+  p.scale = 1.f / std::sqrt(float(hd));
+  Tensor index_q, index_k;
+  if (c_.layer_types[l] == AttentionType::kSparse) {
+    // The lightning indexer: its own q (per KV group) and one key head, normed and rotated like q/k.
+    const int nih = shard_.num_index_heads, ihd = c_.index_head_dim;
+    const RopeParams index_rope{ihd, c_.rotary_dim, float(c_.rope_theta), c_.rms_norm_eps};
+    index_q = ops_.alloc(T, nih * ihd);
+    index_k = ops_.alloc(T, ihd);
+    ops_.linear(h, a.index_q_proj, index_q);
+    ops_.linear(h, a.index_k_proj, index_k);
+    ops_.head_norm_rope(index_q, nih, a.index_q_norm, index_rope);
+    ops_.head_norm_rope(index_k, 1, a.index_k_norm, index_rope);
+    p.num_index_heads = nih;
+    p.index_head_dim = ihd;
+    p.block_size = c_.index_block_size;
+    p.topk_blocks = c_.index_topk_blocks;
+    p.local_blocks = c_.index_local_blocks;
+  }
+  Tensor attn = ops_.alloc(T, nq * hd);
+  ops_.attention(q, k, v, index_q, index_k, p, attn);
+  Tensor out = ops_.alloc(T, c_.hidden_size);
+  ops_.linear(attn, a.o_proj, out);  // row-parallel: a partial sum under tp > 1
+  return out;
+}
+
+Tensor Model::mlp(Tensor x, const MlpWeights& w, int T) {
+  const int64_t n = w.down.dim(1);
+  Tensor gate_up = ops_.alloc(T, 2 * n), act = ops_.alloc(T, n), out = ops_.alloc(T, c_.hidden_size);
+  ops_.linear(x, w.gate_up, gate_up);
+  ops_.swiglu(gate_up, {c_.swiglu_alpha, c_.swiglu_limit}, act);
+  ops_.linear(act, w.down, out);
+  return out;
+}
+
+Tensor Model::moe(int l, Tensor h, int T) {
+  const MoeWeights& m = w_.layers[l].moe;
+  const bool fused = plan_.shared_expert.fused;
+  RouterParams rp;
+  rp.num_experts = c_.num_experts;
+  rp.top_k = c_.num_experts_per_tok;
+  rp.num_shared_slots = fused ? c_.num_shared_experts : 0;
+  // After the output is scaled by rsf, each shared slot contributes exactly 1.0 (SPEC §4).
+  rp.shared_weight = 1.f / c_.routed_scaling_factor;
+  const int slots = rp.top_k + rp.num_shared_slots;
+  Tensor logits = ops_.alloc_typed(T, c_.num_experts, DType::kF32);
+  Tensor slot_ids = ops_.alloc_typed(T, slots, DType::kI32), slot_weights = ops_.alloc_typed(T, slots, DType::kF32);
+  ops_.linear(h, m.router, logits);
+  ops_.route(logits, m.bias, rp, slot_ids, slot_weights);
+  Tensor out = ops_.alloc(T, c_.hidden_size);
+  ops_.moe_experts(h, slot_ids, slot_weights, m.experts_gate_up, m.experts_down, {c_.swiglu_alpha, c_.swiglu_limit},
+                   c_.routed_scaling_factor, out);
+  // Unfused: the shared expert runs as its own MLP. Its partial sum joins the routed one before the
+  // layer's single reduction (never reduced twice, never once each).
+  if (!m.shared.gate_up.empty()) ops_.add(mlp(h, m.shared, T), out);
+  return out;
+}
+
+std::vector<float> Model::forward(const StepTokens& step) {
+  ops_.begin_step(step);
+  const int T = step.num_tokens(), H = c_.hidden_size;
+  const float eps = c_.rms_norm_eps;
+  Tensor residual = ops_.alloc(T, H), h = ops_.alloc(T, H);
+  ops_.embed(w_.embed, residual);
+  Tensor pending;  // the previous layer's MLP output: reduced, or a partial sum when deferred
+  for (int l = 0; l < c_.num_layers; ++l) {
+    const LayerPlan& lp = plan_.layers[l];
+    const LayerWeights& lw = w_.layers[l];
+    if (l == 0) ops_.rmsnorm(residual, lw.input_norm, eps, h);
+    else if (lp.fuse_input_allreduce) comm_.allreduce_add_rmsnorm(pending, residual, lw.input_norm, eps, h);
+    else ops_.add_rmsnorm(pending, residual, lw.input_norm, eps, h);
+
+    Tensor attn_out = attention(l, h, T);
+    switch (lp.attention) {
+      case Reduce::kFusedIntoNorm:
+        comm_.allreduce_add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
+        break;
+      case Reduce::kImmediate:
+        comm_.all_reduce(attn_out);
+        [[fallthrough]];
+      default:
+        ops_.add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
+    }
+
+    pending = c_.mlp_layer_types[l] == MlpType::kDense ? mlp(h, lw.dense, T) : moe(l, h, T);
+    if (lp.mlp == Reduce::kImmediate) comm_.all_reduce(pending);
+  }
+  if (plan_.final_norm_fused) comm_.allreduce_add_rmsnorm(pending, residual, w_.final_norm, eps, h);
+  else ops_.add_rmsnorm(pending, residual, w_.final_norm, eps, h);
+
+  const int rows = int(step.logit_rows.size());
+  Tensor selected = ops_.alloc(rows, H), logits = ops_.alloc_typed(rows, c_.vocab_size, DType::kF32);
+  ops_.gather_logit_rows(h, selected);
+  ops_.linear(selected, w_.lm_head, logits);
+  return ops_.to_host(logits);
+}
+
+}  // namespace tpmoe

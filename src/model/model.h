@@ -1,0 +1,40 @@
+// The MiniMax-M3 forward (SPEC §1), written once against the Ops interface and a Communicator, so
+// it runs unchanged on the CPU oracle and on GPUs. Every tensor-parallel partial sum is reduced where
+// the fusion plan says: inside the next norm (fused), right away, or not at all (tp 1).
+#pragma once
+
+#include <vector>
+
+#include "model/communicator.h"
+#include "model/config.h"
+#include "model/fusion_plan.h"
+#include "model/ops.h"
+#include "model/parallel.h"
+#include "model/weights.h"
+
+namespace tpmoe {
+
+class Model {
+ public:
+  // `weights` must live in the memory `ops` computes on, and outlive the Model.
+  Model(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard, const ModelWeights& weights,
+        Ops& ops, Communicator& comm);
+
+  CacheShape cache_shape(int max_seqs, int max_len) const;
+  // Runs one step and returns the logits of step.logit_rows as [rows, vocab] fp32 on the host.
+  std::vector<float> forward(const StepTokens& step);
+
+ private:
+  Tensor attention(int layer, Tensor h, int T);
+  Tensor mlp(Tensor x, const MlpWeights& w, int T);
+  Tensor moe(int layer, Tensor h, int T);
+
+  const ModelConfig& c_;
+  const FusionPlan& plan_;
+  RankShard shard_;
+  const ModelWeights& w_;
+  Ops& ops_;
+  Communicator& comm_;
+};
+
+}  // namespace tpmoe

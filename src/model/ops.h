@@ -1,0 +1,120 @@
+// The ops the model forward is written against. Each backend (CPU oracle, CUDA) implements them;
+// the forward in model.cpp runs unchanged on either. Ops are coarse where a backend profits from
+// fusing inside (attention with its cache writes and block selection, the routed-expert GEMMs with
+// their combine) and fine where the model's structure must stay visible (norms, projections, the
+// places partial sums are reduced).
+//
+// Shapes are validated once, when the model is built; ops trust them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/tensor.h"
+
+namespace tpmoe {
+
+// The tokens of one forward step, flattened over sequences: prefill of several prompts and decode
+// of a batch are the same thing (token t belongs to cache slot seq_slot[t] at position position[t]).
+struct StepTokens {
+  std::vector<int32_t> token_ids;
+  std::vector<int32_t> positions;
+  std::vector<int32_t> seq_slots;
+  // Rows of the step whose logits are wanted (the last prompt token of each sequence, or every row).
+  std::vector<int32_t> logit_rows;
+  int num_tokens() const { return int(token_ids.size()); }
+};
+
+// Per-rank shape of the KV cache (and the index-key cache of sparse layers).
+struct CacheShape {
+  int num_layers = 0;
+  std::vector<bool> sparse_layer;  // layer has an index-key cache
+  int num_kv_heads = 0;            // local to the rank
+  int head_dim = 0;
+  int index_head_dim = 0;
+  int max_seqs = 0;
+  int max_len = 0;
+};
+
+struct RopeParams {
+  int head_dim = 0;
+  int rotary_dim = 0;
+  float theta = 0;
+  float eps = 0;  // of the per-head Gemma norm that precedes RoPE
+};
+
+struct AttentionParams {
+  int layer = 0;
+  int num_q_heads = 0;   // local
+  int num_kv_heads = 0;  // local
+  int head_dim = 0;
+  float scale = 0;
+  // Lightning indexer (sparse layers only; index_q empty on full-attention layers).
+  int num_index_heads = 0;  // local, == num_kv_heads
+  int index_head_dim = 0;
+  int block_size = 0;
+  int topk_blocks = 0;
+  int local_blocks = 0;
+};
+
+struct SwigluParams {
+  float alpha = 1.702f;
+  float limit = 7.0f;
+};
+
+struct RouterParams {
+  int num_experts = 0;       // E: routed experts, the router's width
+  int top_k = 0;             // k
+  int num_shared_slots = 0;  // n appended shared slots (0 when shared-expert fusion is off)
+  float shared_weight = 0;   // weight of each appended slot (1 / rsf)
+};
+
+class Ops {
+ public:
+  virtual ~Ops() = default;
+
+  // Activations in the backend's activation dtype (fp32 on the CPU); they live until the next
+  // begin_step, and the backend owns them.
+  virtual Tensor alloc(int64_t rows, int64_t cols) = 0;
+  // The same for an explicit dtype (slot ids are int32, slot weights fp32 on every backend).
+  virtual Tensor alloc_typed(int64_t rows, int64_t cols, DType dtype) = 0;
+  // Allocates the KV cache; called once before the first step.
+  virtual void init_cache(const CacheShape& shape) = 0;
+  // Makes `step` the current step (the CPU keeps a pointer, CUDA uploads ids/positions/slots).
+  virtual void begin_step(const StepTokens& step) = 0;
+
+  // out[T, H] = table[token_ids[t]]
+  virtual void embed(Tensor table, Tensor out) = 0;
+  // out = gemma_rmsnorm(x) * (1 + w); rows of length w.dim(0).
+  virtual void rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) = 0;
+  // residual += partial; out = gemma_rmsnorm(residual) * (1 + w): the tp-1 / already-reduced form.
+  virtual void add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) = 0;
+  // y += x
+  virtual void add(Tensor x, Tensor y) = 0;
+  // out[T, N] = x[T, K] w[N, K]^T
+  virtual void linear(Tensor x, Tensor weight, Tensor out) = 0;
+  // In place on x[T, heads * head_dim]: per-head Gemma norm with weight[head_dim], then NeoX RoPE on
+  // the first rotary_dim channels at the step's positions.
+  virtual void head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) = 0;
+  // Writes k, v (and index_k) of the step into the cache, then out[T, nq*hd] = causal GQA attention
+  // of q over the cached keys; on sparse layers (index_q non-empty) only over the blocks the
+  // lightning indexer keeps for each query's KV group.
+  virtual void attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
+                         Tensor out) = 0;
+  // gate_up[T, 2n] (gate half, then up half) -> out[T, n]: SwiGLU-OAI.
+  virtual void swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) = 0;
+  // logits[T, E] -> slot_ids[T, k+n] (int32), slot_weights[T, k+n] (fp32): sigmoid scores, top-k
+  // of score + bias, weights renormalised over the k; shared ids E..E+n-1 appended with shared_weight.
+  virtual void route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids,
+                     Tensor slot_weights) = 0;
+  // out[T, H] = scale * sum_s slot_weights[t, s] * expert_{slot_ids[t, s]}(x[t]) with SwiGLU-OAI experts
+  // gate_up[R, 2I, H], down[R, H, I]; R is the physical row count (routed + fused shared rows).
+  virtual void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
+                           const SwigluParams& p, float scale, Tensor out) = 0;
+  // out[R, H] = x[rows[r]] for the step's logit_rows.
+  virtual void gather_logit_rows(Tensor x, Tensor out) = 0;
+  // Host copy as fp32 (for logits and tests).
+  virtual std::vector<float> to_host(Tensor t) = 0;
+};
+
+}  // namespace tpmoe

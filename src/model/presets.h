@@ -1,0 +1,31 @@
+// Built-in model shapes and random weights: `tiny` (seconds on a CPU; the embedded default the
+// README's main job and `tpmoe bench` run) and `m3` (the real MiniMax-M3 shapes).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+#include "io/safetensors.h"
+#include "model/config.h"
+
+namespace tpmoe {
+
+// `layers` overrides the layer count. For m3 without it: the real 60 layers (0-2 dense MLP + full
+// attention, 3-59 MoE + sparse attention); with it: that many MoE + sparse-attention layers, the kind
+// that makes up 57 of the real model's 60.
+ModelConfig preset_config(const std::string& name, std::optional<int> layers = std::nullopt);
+
+// Random weights for `config`, named as layout A names them, in `dtype` (BF16 or F32). Values come
+// from a counter-based hash of (seed, tensor name, index), so any device can generate the same
+// numbers independently. Matrices: uniform with std 0.02; norm offsets std 0.1; router bias std 0.01.
+std::map<std::string, io::OwnedTensor> random_weights(const ModelConfig& config, uint64_t seed,
+                                                      DType dtype = DType::kBF16);
+
+// The value random_weights puts at `index` of a tensor whose name hashes to `tensor_key`:
+// uniform in [-sqrt(3) std, sqrt(3) std].
+float random_value(uint64_t seed, uint64_t tensor_key, uint64_t index, float stddev);
+uint64_t tensor_key(const std::string& name);
+
+}  // namespace tpmoe

@@ -1,0 +1,38 @@
+// A non-owning view of a backend buffer: weights and activations alike. The backend that made a
+// Tensor owns its memory; the model only passes Tensors between ops.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "core/dtype.h"
+
+namespace tpmoe {
+
+struct Tensor {
+  void* data = nullptr;
+  DType dtype = DType::kF32;
+  int ndim = 0;
+  std::array<int64_t, 3> shape{0, 0, 0};
+
+  static Tensor make(void* data, DType dtype, int64_t d0) { return {data, dtype, 1, {d0, 1, 1}}; }
+  static Tensor make(void* data, DType dtype, int64_t d0, int64_t d1) { return {data, dtype, 2, {d0, d1, 1}}; }
+  static Tensor make(void* data, DType dtype, int64_t d0, int64_t d1, int64_t d2) {
+    return {data, dtype, 3, {d0, d1, d2}};
+  }
+
+  bool empty() const { return data == nullptr; }
+  int64_t dim(int i) const { return shape[i]; }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int i = 0; i < ndim; ++i) n *= shape[i];
+    return n;
+  }
+  size_t nbytes() const { return size_t(numel()) * dtype_size(dtype); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(data);
+  }
+};
+
+}  // namespace tpmoe

@@ -1,0 +1,97 @@
+// The fixture m3-tiny: logits computed by the public reference implementation (transformers, fp32
+// on the bf16 weights). tpmoe's CPU oracle must reproduce them, in both checkpoint layouts.
+#include <gtest/gtest.h>
+
+#include "io/checkpoint.h"
+#include "io/safetensors.h"
+#include "test_util.h"
+#include "tpmoe/tpmoe.h"
+
+namespace tpmoe {
+namespace {
+
+// fp32 CPU math against an fp32 reference on the same bf16 weights: only summation order differs.
+constexpr double kFixtureTolerance = 1e-4;
+
+struct Reference {
+  std::vector<std::vector<int32_t>> prompts, generated;
+  std::vector<float> prefill_logits, step_logits;
+  int64_t B = 0, P = 0, G = 0, V = 0;
+};
+
+Reference load_reference() {
+  const auto file = io::SafetensorsSet::open_file(test::fixtures_dir() / "m3-tiny" / "reference.safetensors");
+  Reference r;
+  const auto* ids = file.find("input_ids");
+  const auto* gen = file.find("generated_ids");
+  const auto* prefill = file.find("prefill_logits");
+  r.B = ids->shape[0], r.P = ids->shape[1], r.G = gen->shape[1], r.V = prefill->shape[2];
+  const auto iv = io::to_i64(*ids), gv = io::to_i64(*gen);
+  for (int64_t b = 0; b < r.B; ++b) {
+    r.prompts.emplace_back(iv.begin() + b * r.P, iv.begin() + (b + 1) * r.P);
+    r.generated.emplace_back(gv.begin() + b * r.G, gv.begin() + (b + 1) * r.G);
+  }
+  r.prefill_logits = io::to_f32(*prefill);
+  r.step_logits = io::to_f32(*file.find("step_logits"));
+  return r;
+}
+
+GenerateResult run_teacher_forced(const std::filesystem::path& dir, const Reference& ref, EngineOptions options = {}) {
+  auto engine = Engine::from_checkpoint(dir, options);
+  GenerateRequest req;
+  req.prompts = ref.prompts;
+  req.forced_tokens = ref.generated;
+  req.max_new_tokens = int(ref.G);
+  req.return_prefill_logits = true;
+  return engine->generate(req);
+}
+
+void expect_matches_reference(const GenerateResult& r, const Reference& ref) {
+  std::vector<float> prefill, steps;
+  for (const auto& p : r.prefill_logits) prefill.insert(prefill.end(), p.begin(), p.end());
+  for (const auto& s : r.step_logits) steps.insert(steps.end(), s.begin(), s.end());
+  const double prefill_err = test::relative_l2(prefill, ref.prefill_logits);
+  const double step_err = test::relative_l2(steps, ref.step_logits);
+  ::testing::Test::RecordProperty("prefill_rel_l2", std::to_string(prefill_err));
+  ::testing::Test::RecordProperty("step_rel_l2", std::to_string(step_err));
+  std::printf("relative L2 vs reference: prefill %.3g, steps %.3g\n", prefill_err, step_err);
+  EXPECT_LT(prefill_err, kFixtureTolerance);
+  EXPECT_LT(step_err, kFixtureTolerance);
+  EXPECT_EQ(r.generated, ref.generated);
+}
+
+TEST(Fixture, LayoutAMatchesReference) {
+  const Reference ref = load_reference();
+  expect_matches_reference(run_teacher_forced(test::fixtures_dir() / "m3-tiny", ref), ref);
+}
+
+TEST(Fixture, GreedyGenerationMatchesReferenceIds) {
+  const Reference ref = load_reference();
+  auto engine = Engine::from_checkpoint(test::fixtures_dir() / "m3-tiny", {});
+  GenerateRequest req;
+  req.prompts = ref.prompts;
+  req.max_new_tokens = int(ref.G);
+  EXPECT_EQ(engine->generate(req).generated, ref.generated);
+}
+
+TEST(Fixture, LayoutBShardedLegacyConfigMatchesReference) {
+  // Rewrite the fixture as the original hub files: per-expert tensors, language_model. prefix, two
+  // shards with an index, config under text_config with the legacy keys.
+  const auto src = io::SafetensorsSet::open_file(test::fixtures_dir() / "m3-tiny" / "model.safetensors");
+  std::map<std::string, io::OwnedTensor> tensors;
+  for (const auto& name : src.names()) tensors[name] = io::OwnedTensor::copy_of(*src.find(name));
+  const ModelConfig config = ModelConfig::from_file(test::fixtures_dir() / "m3-tiny" / "config.json");
+  const auto dir = test::make_temp_dir("layout-b");
+  io::write_checkpoint(dir, config, tensors, io::CheckpointLayout::kHub, 2);
+  ASSERT_TRUE(std::filesystem::exists(dir / "model.safetensors.index.json"));
+  ASSERT_TRUE(std::filesystem::exists(dir / "model-00002-of-00002.safetensors"));
+  const auto ckpt = io::Checkpoint::open(dir);
+  EXPECT_EQ(ckpt.layout(), io::CheckpointLayout::kHub);
+
+  const Reference ref = load_reference();
+  expect_matches_reference(run_teacher_forced(dir, ref), ref);
+  std::filesystem::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace tpmoe
