@@ -29,6 +29,7 @@ struct GenerateRequest {
   // argmax of step i-1 (each row needs at least max_new_tokens - 1 tokens).
   std::vector<std::vector<int32_t>> forced_tokens;
   bool return_prefill_logits = false;  // logits at every prompt position
+  bool return_step_logits = true;      // logits of every step (off for benchmarks)
 };
 
 struct GenerateResult {

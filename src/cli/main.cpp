@@ -237,6 +237,7 @@ void run_bench(const BenchFlags& f) {
       req.prompts.push_back(p);
     }
     req.max_new_tokens = f.new_tokens;
+    req.return_step_logits = false;
     const GenerateResult r = engine->generate(req);
     const int steps = f.new_tokens - 1;
     fmt::print("{:>6} {:>12.2f} {:>14.3f} {:>12.1f}\n", batch, r.prefill_seconds * 1e3, r.decode_seconds * 1e3 / steps,

@@ -20,8 +20,10 @@ namespace tpmoe {
 
 namespace {
 
-int32_t argmax(const float* v, int n) {
-  return int32_t(std::max_element(v, v + n) - v);  // the first maximum, as torch.argmax
+std::vector<int32_t> greedy(Ops& ops, Tensor logits) {
+  Tensor ids = ops.alloc_typed(logits.dim(0), 1, DType::kI32);
+  ops.argmax(logits, ids);
+  return ops.ids_to_host(ids);
 }
 
 class CpuEngine final : public Engine {
@@ -101,7 +103,8 @@ class CpuEngine final : public Engine {
     Model model(config_, plan_, RankShard::make(config_, layout_, rank), ranks_[rank], ops, comm);
     ops.init_cache(model.cache_shape(B, max_len));
 
-    // Prefill: every prompt in one step.
+    // Prefill: every prompt in one step. Logits only where they are wanted: the last prompt token
+    // of each sequence, or every position when prefill logits are asked for.
     StepTokens step;
     std::vector<int> last_row(static_cast<size_t>(B));
     for (int b = 0; b < B; ++b) {
@@ -115,26 +118,26 @@ class CpuEngine final : public Engine {
       last_row[b] = int(step.logit_rows.size()) - 1;
     }
     auto t0 = std::chrono::steady_clock::now();
-    std::vector<float> logits = model.forward(step);
-    auto t1 = std::chrono::steady_clock::now();
-
+    ops.begin_step(step);
+    Tensor logits = model.forward(step);
+    std::vector<int32_t> next = greedy(ops, logits);  // one id per logit row
     std::vector<std::vector<int32_t>> generated(static_cast<size_t>(B));
-    std::vector<float> step_logits(size_t(B) * V);
-    for (int b = 0; b < B; ++b) {
-      std::copy_n(&logits[size_t(last_row[b]) * V], V, &step_logits[size_t(b) * V]);
-      generated[b].push_back(argmax(&step_logits[size_t(b) * V], V));
-    }
-    if (out) {
+    for (int b = 0; b < B; ++b) generated[b].push_back(next[last_row[b]]);
+    if (out && (req.return_step_logits || req.return_prefill_logits)) {
+      const std::vector<float> host = ops.to_host(logits);
+      std::vector<float> step_logits(size_t(B) * V);
+      for (int b = 0; b < B; ++b) std::copy_n(&host[size_t(last_row[b]) * V], V, &step_logits[size_t(b) * V]);
+      if (req.return_step_logits) out->step_logits.push_back(std::move(step_logits));
       if (req.return_prefill_logits) {
         size_t row = 0;
         for (int b = 0; b < B; ++b) {
           const size_t n = req.prompts[b].size() * size_t(V);
-          out->prefill_logits.emplace_back(logits.begin() + row * V, logits.begin() + row * V + n);
+          out->prefill_logits.emplace_back(host.begin() + row * V, host.begin() + row * V + n);
           row += req.prompts[b].size();
         }
       }
-      out->step_logits.push_back(step_logits);
     }
+    auto t1 = std::chrono::steady_clock::now();
 
     // Decode: one token per sequence per step.
     for (int i = 1; i < G; ++i) {
@@ -145,9 +148,11 @@ class CpuEngine final : public Engine {
         d.seq_slots.push_back(b);
         d.logit_rows.push_back(b);
       }
-      step_logits = model.forward(d);
-      for (int b = 0; b < B; ++b) generated[b].push_back(argmax(&step_logits[size_t(b) * V], V));
-      if (out) out->step_logits.push_back(step_logits);
+      ops.begin_step(d);
+      logits = model.forward(d);
+      next = greedy(ops, logits);
+      for (int b = 0; b < B; ++b) generated[b].push_back(next[b]);
+      if (out && req.return_step_logits) out->step_logits.push_back(ops.to_host(logits));
     }
     auto t2 = std::chrono::steady_clock::now();
     if (out) {

@@ -99,11 +99,12 @@ Tensor Model::moe(int l, Tensor h, int T) {
   return out;
 }
 
-std::vector<float> Model::forward(const StepTokens& step) {
-  ops_.begin_step(step);
+Tensor Model::forward(const StepTokens& step) {
   const int T = step.num_tokens(), H = c_.hidden_size;
   const float eps = c_.rms_norm_eps;
-  Tensor residual = ops_.alloc(T, H), h = ops_.alloc(T, H);
+  // The residual stream stays fp32 on every backend: it accumulates 2 x num_layers updates, and
+  // rounding it to bf16 after each would cost more accuracy than its bytes are worth.
+  Tensor residual = ops_.alloc_typed(T, H, DType::kF32), h = ops_.alloc(T, H);
   ops_.embed(w_.embed, residual);
   Tensor pending;  // the previous layer's MLP output: reduced, or a partial sum when deferred
   for (int l = 0; l < c_.num_layers; ++l) {
@@ -135,7 +136,7 @@ std::vector<float> Model::forward(const StepTokens& step) {
   Tensor selected = ops_.alloc(rows, H), logits = ops_.alloc_typed(rows, c_.vocab_size, DType::kF32);
   ops_.gather_logit_rows(h, selected);
   ops_.linear(selected, w_.lm_head, logits);
-  return ops_.to_host(logits);
+  return logits;
 }
 
 }  // namespace tpmoe

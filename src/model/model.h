@@ -21,8 +21,10 @@ class Model {
         Ops& ops, Communicator& comm);
 
   CacheShape cache_shape(int max_seqs, int max_len) const;
-  // Runs one step and returns the logits of step.logit_rows as [rows, vocab] fp32 on the host.
-  std::vector<float> forward(const StepTokens& step);
+  // Runs one step (the caller has made it current with ops.begin_step) and returns the logits of
+  // step.logit_rows as [rows, vocab] fp32, in backend memory. Launches only: no host sync, so a
+  // backend can capture it in a graph.
+  Tensor forward(const StepTokens& step);
 
  private:
   Tensor attention(int layer, Tensor h, int T);

@@ -113,8 +113,11 @@ class Ops {
                            const SwigluParams& p, float scale, Tensor out) = 0;
   // out[R, H] = x[rows[r]] for the step's logit_rows.
   virtual void gather_logit_rows(Tensor x, Tensor out) = 0;
-  // Host copy as fp32 (for logits and tests).
+  // ids[R] (int32) = argmax of each row of logits[R, V] (the first maximum, as torch.argmax).
+  virtual void argmax(Tensor logits, Tensor ids) = 0;
+  // Host copies (these wait for the backend: not inside a captured step).
   virtual std::vector<float> to_host(Tensor t) = 0;
+  virtual std::vector<int32_t> ids_to_host(Tensor ids) = 0;
 };
 
 }  // namespace tpmoe

@@ -307,6 +307,18 @@ void CpuOps::gather_logit_rows(Tensor x, Tensor out) {
     std::memcpy(out.as<float>() + r * H, x.as<float>() + step_->logit_rows[r] * H, sizeof(float) * H);
 }
 
+void CpuOps::argmax(Tensor logits, Tensor ids) {
+  const int64_t R = logits.dim(0), V = logits.dim(1);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* row = logits.as<float>() + r * V;
+    ids.as<int32_t>()[r] = int32_t(std::max_element(row, row + V) - row);
+  }
+}
+
+std::vector<int32_t> CpuOps::ids_to_host(Tensor ids) {
+  return {ids.as<int32_t>(), ids.as<int32_t>() + ids.numel()};
+}
+
 std::vector<float> CpuOps::to_host(Tensor t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
   if (t.dtype == DType::kF32) std::memcpy(v.data(), t.data, t.nbytes());

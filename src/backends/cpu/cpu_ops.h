@@ -30,7 +30,9 @@ class CpuOps final : public Ops {
   void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down, const SwigluParams& p,
                    float scale, Tensor out) override;
   void gather_logit_rows(Tensor x, Tensor out) override;
+  void argmax(Tensor logits, Tensor ids) override;
   std::vector<float> to_host(Tensor t) override;
+  std::vector<int32_t> ids_to_host(Tensor ids) override;
 
  private:
   struct LayerCache {
