@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The test command (README, CI): build, run every test (GPU tests skip without a GPU), fuzz the
+# parsers of untrusted input for a bounded time, check formatting.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+jobs=$(nproc)
+[ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
+
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build -j "$jobs"
+ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
+
+# libFuzzer targets (clang, ASan + UBSan): the safetensors header parser and the config parser.
+fuzz_seconds=${TPMOE_FUZZ_SECONDS:-60}
+CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DTPMOE_FUZZ=ON >/dev/null
+cmake --build build-fuzz -j "$jobs"
+for target in safetensors_header config; do
+  corpus=$(mktemp -d)
+  cp fuzz/corpus/"$target"/* "$corpus"/
+  echo "fuzz_$target: ${fuzz_seconds}s"
+  ./build-fuzz/fuzz_"$target" -max_total_time="$fuzz_seconds" -print_final_stats=0 "$corpus" 2>&1 | tail -n 2
+  rm -rf "$corpus"
+done
+
+# Formatting is checked, not applied.
+git ls-files '*.cpp' '*.h' '*.cu' '*.cuh' | xargs clang-format --dry-run --Werror
+echo "all checks passed"

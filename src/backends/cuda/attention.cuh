@@ -1,0 +1,70 @@
+// Attention over the bf16 KV cache (SPEC §1.3-1.4): cache writes, the lightning indexer's block
+// selection, and causal GQA softmax attention (decode: split-KV; prefill: causal), full or
+// restricted to the kept key blocks.
+//
+// Cache layout (one contiguous region per sequence slot):
+//   k, v     [max_seqs][max_len][num_kv_heads][head_dim]  bf16
+//   index_k  [max_seqs][max_len][index_head_dim]          bf16 (sparse layers only)
+// Token t of the step belongs to slot seq_slots[t] at position positions[t] and attends to keys
+// 0..positions[t] of its slot. All keys of the step are written before any query reads, so prefill
+// tokens of one sequence see each other.
+//
+// Graph capture: the grid depends only on num_tokens and max_len (never on positions), so a decode
+// step captured once replays for any context length. Splits past a query's length exit early.
+//
+// Bytes for decode (T tokens at context L): K and V reads T*L*nkv*hd*2*2 dominate; the indexer adds
+// T*L*ihd*2 per sparse layer.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tpmoe::cuda {
+
+struct KvCacheLayer {
+  __nv_bfloat16* k = nullptr;
+  __nv_bfloat16* v = nullptr;
+  __nv_bfloat16* index_k = nullptr;  // nullptr on full-attention layers
+  int max_seqs = 0;
+  int max_len = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  int index_head_dim = 0;
+};
+
+struct AttentionKernelParams {
+  const __nv_bfloat16* q = nullptr;        // [T, num_q_heads * head_dim]
+  const __nv_bfloat16* k = nullptr;        // [T, num_kv_heads * head_dim]
+  const __nv_bfloat16* v = nullptr;        // [T, num_kv_heads * head_dim]
+  const __nv_bfloat16* index_q = nullptr;  // [T, num_index_heads * index_head_dim]; nullptr: full attention
+  const __nv_bfloat16* index_k = nullptr;  // [T, index_head_dim]
+  KvCacheLayer cache;
+  const int32_t* positions = nullptr;  // [T]
+  const int32_t* seq_slots = nullptr;  // [T]
+  int num_tokens = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int head_dim = 0;
+  float scale = 0;
+  int num_index_heads = 0;
+  int index_head_dim = 0;
+  int block_size = 0;
+  int topk_blocks = 0;
+  int local_blocks = 0;
+  __nv_bfloat16* out = nullptr;  // [T, num_q_heads * head_dim]
+  void* workspace = nullptr;     // attention_workspace_bytes(...) bytes
+  size_t workspace_bytes = 0;
+};
+
+// Scratch the launch needs (split-KV partials, per-(token, index head) kept-block lists), for at
+// most `max_tokens` tokens of a step.
+size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_heads, int head_dim, int max_len,
+                                 int block_size, int topk_blocks);
+
+// Writes the step's k, v (and index_k) into the cache, selects blocks on sparse layers, attends.
+void launch_attention(const AttentionKernelParams& p, cudaStream_t stream);
+
+}  // namespace tpmoe::cuda

@@ -1,0 +1,53 @@
+// Small memory-bound kernels around the layers: embedding lookup, vector add, SwiGLU-OAI, row
+// gather and greedy argmax. Each moves its bytes once (stated per kernel); none is worth fusing
+// further until a profile says so.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace tpmoe::cuda {
+
+// out[t, :] = table[token_ids[t], :] widened to fp32 (the residual stream). Bytes: T*H*(2+4).
+// A token id outside [0, vocab) writes NaN into its row (a kernel cannot throw; the host
+// validates ids before the step, this only keeps a bad id from reading out of bounds).
+struct EmbedParams {
+  const __nv_bfloat16* table = nullptr;  // [vocab, hidden]
+  const int32_t* token_ids = nullptr;    // [num_tokens]
+  float* out = nullptr;                  // [num_tokens, hidden]
+  int num_tokens = 0;
+  int hidden = 0;
+  int vocab = 0;
+};
+void launch_embed(const EmbedParams& p, cudaStream_t stream);
+
+// y[i] += x[i] for n bf16 values (fp32 add, one rounding). Bytes: 3 * n * 2.
+void launch_add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream);
+
+// SwiGLU-OAI (SPEC §1.6): gate_up[rows, 2n] (gate half, then up half) -> out[rows, n].
+struct SwigluKernelParams {
+  const __nv_bfloat16* gate_up = nullptr;
+  __nv_bfloat16* out = nullptr;
+  int rows = 0;
+  int n = 0;
+  float alpha = 1.702f;
+  float limit = 7.0f;
+};
+void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream);
+
+// out[r, :] = x[rows[r], :] for r < num_rows (bf16, width cols).
+void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_rows, int cols, __nv_bfloat16* out,
+                        cudaStream_t stream);
+
+// ids[r] = argmax_v logits[r, v] (fp32), first maximum on ties (as torch.argmax). One block per row.
+void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, cudaStream_t stream);
+
+// Fills n bf16 (or fp32 when out_f32) values with the presets' counter-based random numbers:
+// value i = random_value(seed, key, index_offset + i, stddev) (src/model/presets.h), so a preset
+// generated on the device is bitwise the model the CPU generates.
+void launch_fill_random(void* out, bool out_f32, int64_t n, uint64_t seed, uint64_t key, uint64_t index_offset,
+                        float stddev, cudaStream_t stream);
+
+}  // namespace tpmoe::cuda

@@ -1,0 +1,55 @@
+// The routed MoE layer on the GPU: the router (sigmoid scores, top-k of score + bias, renormalise,
+// shared slots appended) and the expert computation (SwiGLU-OAI experts, weighted combine).
+//
+// Everything that bins by expert is sized by num_rows, the physical expert rows (routed + fused
+// shared): sizing by the routed count would silently drop the shared slots (vLLM PR #51632).
+//
+// Bytes for decode: each distinct expert row touched reads its gate_up (2I x H) and down (H x I)
+// bf16 weights once: 3 * I * H * 2 bytes per row; activations are small next to that.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace tpmoe::cuda {
+
+struct RouteKernelParams {
+  const float* logits = nullptr;  // [T, num_experts]
+  const float* bias = nullptr;    // [num_experts] e_score_correction_bias (chooses, never weighs)
+  int32_t* slot_ids = nullptr;    // [T, top_k + num_shared]
+  float* slot_weights = nullptr;  // [T, top_k + num_shared]
+  int num_tokens = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  int num_shared = 0;       // shared slots appended with ids E..E+n-1
+  float shared_weight = 0;  // 1 / routed_scaling_factor
+};
+// Ties in score + bias go to the lower expert id (as the CPU oracle).
+void launch_route(const RouteKernelParams& p, cudaStream_t stream);
+
+struct MoeKernelParams {
+  const __nv_bfloat16* x = nullptr;        // [T, hidden]
+  const int32_t* slot_ids = nullptr;       // [T, slots], each in [0, num_rows)
+  const float* slot_weights = nullptr;     // [T, slots]
+  const __nv_bfloat16* gate_up = nullptr;  // [num_rows, 2 * inter, hidden]: gate half, then up half
+  const __nv_bfloat16* down = nullptr;     // [num_rows, hidden, inter]
+  __nv_bfloat16* out = nullptr;            // [T, hidden] = scale * sum_s w[t,s] * expert(x[t])
+  int num_tokens = 0;
+  int slots = 0;
+  int hidden = 0;
+  int inter = 0;
+  int num_rows = 0;
+  float alpha = 1.702f;
+  float limit = 7.0f;
+  float scale = 1.0f;
+  void* workspace = nullptr;  // moe_workspace_bytes(...) bytes
+  size_t workspace_bytes = 0;
+};
+
+size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int num_rows);
+void launch_moe(const MoeKernelParams& p, cudaStream_t stream);
+
+}  // namespace tpmoe::cuda

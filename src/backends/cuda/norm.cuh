@@ -1,0 +1,42 @@
+// Gemma RMSNorm kernels (SPEC §1.2): y = v / sqrt(mean(v^2) + eps) * (1 + w), fp32 math.
+//
+// add_rmsnorm: residual[T,H] (fp32) += partial[T,H] (bf16, optional); out[T,H] (bf16) = norm(residual).
+//   Bytes: T*H*(2 read partial + 4 read + 4 write residual + 2 write out) + H*4 weight.
+// head_norm_rope: in place on x[T, heads*hd] (bf16): per-head Gemma norm (weight [hd], fp32) then
+//   NeoX RoPE on the first rotary_dim channels at positions[t]. Bytes: 2 x T*heads*hd*2.
+// Layouts: row-major, rows contiguous. Kernels take raw pointers, sizes and a stream; shapes are
+// validated by the caller (CudaOps) once.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace tpmoe::cuda {
+
+struct AddRmsNormParams {
+  const __nv_bfloat16* partial = nullptr;  // nullptr: plain norm of the residual
+  float* residual = nullptr;               // [rows, hidden], updated in place when partial is set
+  const float* weight = nullptr;           // [hidden]
+  __nv_bfloat16* out = nullptr;            // [rows, hidden]
+  int rows = 0;
+  int hidden = 0;
+  float eps = 1e-6f;
+};
+void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream);
+
+struct HeadNormRopeParams {
+  __nv_bfloat16* x = nullptr;      // [num_tokens, num_heads * head_dim], in place
+  const float* weight = nullptr;   // [head_dim]
+  const int32_t* positions = nullptr;  // [num_tokens]
+  int num_tokens = 0;
+  int num_heads = 0;
+  int head_dim = 0;
+  int rotary_dim = 0;
+  float theta = 0;
+  float eps = 1e-6f;
+};
+void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream);
+
+}  // namespace tpmoe::cuda
