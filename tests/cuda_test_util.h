@@ -68,17 +68,17 @@ inline std::vector<float> random_floats(size_t n, float stddev, uint64_t seed) {
 inline std::vector<__nv_bfloat16> to_bf16(const std::vector<float>& v) {
   std::vector<__nv_bfloat16> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
-    const uint16_t bits = f32_to_bf16(v[i]);
-    std::memcpy(&out[i], &bits, 2);
+    __nv_bfloat16_raw raw;
+    raw.x = f32_to_bf16(v[i]);
+    out[i] = raw;
   }
   return out;
 }
 inline std::vector<float> from_bf16(const std::vector<__nv_bfloat16>& v) {
   std::vector<float> out(v.size());
   for (size_t i = 0; i < v.size(); ++i) {
-    uint16_t bits;
-    std::memcpy(&bits, &v[i], 2);
-    out[i] = bf16_to_f32(bits);
+    const __nv_bfloat16_raw raw = v[i];
+    out[i] = bf16_to_f32(raw.x);
   }
   return out;
 }

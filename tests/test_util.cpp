@@ -1,10 +1,13 @@
 #include "test_util.h"
 
+#include <sys/wait.h>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <random>
 #include <stdexcept>
+
+#include "io/safetensors.h"
 
 namespace tpmoe::test {
 
@@ -23,7 +26,7 @@ std::filesystem::path make_temp_dir(const std::string& tag) {
 
 CommandResult run_cli(const std::string& args) {
 #ifdef TPMOE_CLI_PATH
-  std::string cmd = std::string("'") + TPMOE_CLI_PATH + "' " + args + " 2>&1";
+  std::string cmd = std::string("timeout 120 '") + TPMOE_CLI_PATH + "' " + args + " 2>&1";
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) throw std::runtime_error("popen failed: " + cmd);
   std::string out;
@@ -31,10 +34,36 @@ CommandResult run_cli(const std::string& args) {
   size_t n;
   while ((n = fread(buf, 1, sizeof buf, pipe)) > 0) out.append(buf, n);
   int status = pclose(pipe);
+  if (WIFSIGNALED(status)) return {128 + WTERMSIG(status), out};  // timeout re-raises the child's signal
   return {WIFEXITED(status) ? WEXITSTATUS(status) : 128, out};
 #else
   throw std::runtime_error("run_cli: test built without TPMOE_CLI_PATH");
 #endif
+}
+
+FixtureReference load_fixture_reference() {
+  const auto file = io::SafetensorsSet::open_file(fixtures_dir() / "m3-tiny" / "reference.safetensors");
+  FixtureReference r;
+  const auto* ids = file.find("input_ids");
+  const auto* gen = file.find("generated_ids");
+  const auto* prefill = file.find("prefill_logits");
+  const auto* steps = file.find("step_logits");
+  if (!ids || !gen || !prefill || !steps) throw std::runtime_error("reference.safetensors: a tensor is missing");
+  r.B = ids->shape[0], r.P = ids->shape[1], r.G = gen->shape[1], r.V = prefill->shape[2];
+  const auto iv = io::to_i64(*ids), gv = io::to_i64(*gen);
+  for (int64_t b = 0; b < r.B; ++b) {
+    r.prompts.emplace_back(iv.begin() + b * r.P, iv.begin() + (b + 1) * r.P);
+    r.generated.emplace_back(gv.begin() + b * r.G, gv.begin() + (b + 1) * r.G);
+  }
+  r.prefill_logits = io::to_f32(*prefill);
+  r.step_logits = io::to_f32(*steps);
+  return r;
+}
+
+std::vector<float> concat(const std::vector<std::vector<float>>& rows) {
+  std::vector<float> out;
+  for (const auto& r : rows) out.insert(out.end(), r.begin(), r.end());
+  return out;
 }
 
 double relative_l2(std::span<const float> a, std::span<const float> b) {

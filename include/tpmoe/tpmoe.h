@@ -41,6 +41,10 @@ struct GenerateResult {
   double prefill_seconds = 0, decode_seconds = 0;
 };
 
+// Copy bandwidth of the device's memory in bytes/s (bytes read + bytes written), measured now with a
+// large device-to-device copy (host memcpy for "cpu"): the ceiling decode is held to.
+double measure_copy_bandwidth(const std::string& device);
+
 class Engine {
  public:
   static std::unique_ptr<Engine> from_checkpoint(const std::filesystem::path& dir, const EngineOptions& options);
@@ -56,6 +60,9 @@ class Engine {
   virtual const std::vector<std::string>& unknown_tensors() const = 0;
   // Bytes of weights each rank holds.
   virtual size_t weight_bytes_per_rank() const = 0;
+  // Weight bytes one decode step of `batch` sequences reads on a rank (routed experts as expected
+  // under uniform routing): the numerator of the bandwidth floor.
+  virtual double decode_weight_bytes(int batch) const = 0;
 };
 
 }  // namespace tpmoe

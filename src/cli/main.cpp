@@ -224,11 +224,16 @@ struct BenchFlags {
 
 void run_bench(const BenchFlags& f) {
   auto engine = f.model.load(f.model.options());
-  fmt::print("decode benchmark: {}, device {}, tp {}, prompt {} tokens, {} new tokens, weights {:.1f} MiB/rank\n",
+  const double bandwidth = measure_copy_bandwidth(f.model.device);
+  fmt::print("decode benchmark: {}, device {}, tp {}, prompt {} tokens, {} new tokens\n",
              f.model.model_dir.empty() ? "preset " + (f.model.preset.empty() ? std::string(kDefaultPreset) : f.model.preset)
                                        : f.model.model_dir,
-             f.model.device, f.model.tp, f.prompt_len, f.new_tokens, double(engine->weight_bytes_per_rank()) / (1 << 20));
-  fmt::print("{:>6} {:>12} {:>14} {:>12}\n", "batch", "prefill ms", "decode ms/step", "tokens/s");
+             f.model.device, f.model.tp, f.prompt_len, f.new_tokens);
+  fmt::print("weights {:.2f} GiB per rank; measured copy bandwidth {:.0f} GB/s (read + write)\n",
+             double(engine->weight_bytes_per_rank()) / (1ull << 30), bandwidth / 1e9);
+  fmt::print("floor = weight bytes read per step (routed experts expected under uniform routing) / bandwidth\n");
+  fmt::print("{:>6} {:>11} {:>13} {:>11} {:>13} {:>10} {:>8}\n", "batch", "prefill ms", "step ms", "tokens/s",
+             "GB/step", "floor ms", "ratio");
   for (int batch : parse_int_list(f.batches, "--batch")) {
     GenerateRequest req;
     for (int b = 0; b < batch; ++b) {
@@ -240,8 +245,10 @@ void run_bench(const BenchFlags& f) {
     req.return_step_logits = false;
     const GenerateResult r = engine->generate(req);
     const int steps = f.new_tokens - 1;
-    fmt::print("{:>6} {:>12.2f} {:>14.3f} {:>12.1f}\n", batch, r.prefill_seconds * 1e3, r.decode_seconds * 1e3 / steps,
-               double(batch) * steps / r.decode_seconds);
+    const double step_s = r.decode_seconds / steps, bytes = engine->decode_weight_bytes(batch);
+    const double floor_s = bytes / bandwidth;
+    fmt::print("{:>6} {:>11.2f} {:>13.3f} {:>11.1f} {:>13.3f} {:>10.3f} {:>8.2f}\n", batch, r.prefill_seconds * 1e3,
+               step_s * 1e3, batch / step_s, bytes / 1e9, floor_s * 1e3, step_s / floor_s);
   }
 }
 

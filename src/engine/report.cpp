@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 namespace tpmoe {
 
 std::string describe_config(const ModelConfig& c) {
@@ -44,6 +46,25 @@ size_t rank_weight_bytes(const ModelConfig& c, const RankShard& s, const FusionP
     bytes += size_t(plan.shared_expert.physical_rows) * 3 * size_t(s.moe_inter) * H * m;
     if (!plan.shared_expert.fused) bytes += size_t(c.num_shared_experts) * 3 * size_t(s.shared_inter) * H * m;
   }
+  return bytes;
+}
+
+double expected_distinct_experts(const ModelConfig& c, int batch) {
+  const double E = c.num_experts, k = c.num_experts_per_tok;
+  return E * (1.0 - std::pow(1.0 - k / E, batch));
+}
+
+double decode_weight_bytes(const ModelConfig& c, const RankShard& s, const FusionPlan& plan, int batch,
+                           DType matrix_dtype) {
+  const double m = double(dtype_size(matrix_dtype)), H = c.hidden_size;
+  // Everything the rank holds, minus what a step does not read: the embedding table but for the
+  // batch's rows, and the routed experts it does not route to.
+  double bytes = double(rank_weight_bytes(c, s, plan, matrix_dtype));
+  bytes -= double(c.vocab_size) * H * m - batch * H * m;
+  const double expert_bytes = 3.0 * s.moe_inter * H * m;
+  for (int l = 0; l < c.num_layers; ++l)
+    if (c.mlp_layer_types[l] == MlpType::kMoe)
+      bytes -= (c.num_experts - expected_distinct_experts(c, batch)) * expert_bytes;
   return bytes;
 }
 

@@ -15,6 +15,14 @@ std::string describe_config(const ModelConfig& config);
 
 // Bytes of one rank's weights as load_rank_weights stores them: matrices in `matrix_dtype`, vectors fp32.
 size_t rank_weight_bytes(const ModelConfig& config, const RankShard& shard, const FusionPlan& plan, DType matrix_dtype);
+// Expected distinct routed experts a batch of `batch` tokens touches in one MoE layer when routing is
+// uniform (each token picks k of E): E * (1 - (1 - k/E)^batch).
+double expected_distinct_experts(const ModelConfig& config, int batch);
+// Weight bytes one decode step of `batch` tokens reads on one rank: every dense weight once, the
+// embedding rows of the batch, and the expert rows touched (shared always, routed as above).
+double decode_weight_bytes(const ModelConfig& config, const RankShard& shard, const FusionPlan& plan, int batch,
+                           DType matrix_dtype);
+
 // KV-cache bytes one token costs on one rank (K, V and, on sparse layers, the index key).
 size_t rank_kv_bytes_per_token(const ModelConfig& config, const RankShard& shard, DType cache_dtype);
 

@@ -45,8 +45,10 @@ SharedExpertPlan plan_shared_expert(const ModelConfig& c, const ParallelLayout& 
 
 // Why an MLP/MoE output must be reduced immediately even with fusion on, or "" when deferral is fine.
 std::string why_not_defer(const ModelConfig& c, const ParallelLayout& layout, int layer) {
-  if (layout.is_stage_end(layer, c.num_layers))
-    return layer == c.num_layers - 1 ? "" : "last layer of a pipeline stage: its output leaves the stage";
+  // The model's last layer ends the last stage, but its consumer (the final norm) is in that stage:
+  // it may defer unless one of the rules below applies to it too.
+  if (layout.is_stage_end(layer, c.num_layers) && layer != c.num_layers - 1)
+    return "last layer of a pipeline stage: its output leaves the stage";
   if (layout.sequence_parallel) return "sequence-parallel layout: the output is reduce-scattered, not deferred";
   if (c.mlp_layer_types[layer] == MlpType::kMoe) {
     if (layout.expert_parallel) return "expert-parallel MoE: the all-to-all combine already reduced it";

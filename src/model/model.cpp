@@ -1,5 +1,6 @@
 #include "model/model.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -26,7 +27,31 @@ CacheShape Model::cache_shape(int max_seqs, int max_len) const {
   return s;
 }
 
-Tensor Model::attention(int l, Tensor h, int T) {
+size_t Model::activation_bytes(const ModelConfig& c_, const RankShard& shard_, int max_tokens, int max_logit_rows,
+                               size_t a) {
+  // Mirrors the allocations of forward(); a backend rounds each allocation up to kAllocAlign.
+  constexpr size_t kAllocSlack = 32 * 256;
+  const size_t T = size_t(max_tokens), H = size_t(c_.hidden_size), hd = size_t(c_.head_dim);
+  const size_t nq = size_t(shard_.num_q_heads), nkv = size_t(shard_.num_kv_heads);
+  size_t worst_layer = 0;
+  for (int l = 0; l < c_.num_layers; ++l) {
+    size_t bytes = (2 * nq + 2 * nkv) * hd * a;  // q, k, v, attention output
+    if (c_.layer_types[l] == AttentionType::kSparse)
+      bytes += (size_t(shard_.num_index_heads) + 1) * size_t(c_.index_head_dim) * a;
+    if (c_.mlp_layer_types[l] == MlpType::kDense) {
+      bytes += 3 * size_t(shard_.dense_inter) * a;
+    } else {
+      const size_t slots = size_t(c_.num_experts_per_tok + c_.num_shared_experts);
+      bytes += size_t(c_.num_experts) * 4 + slots * 8;
+      bytes += (H + 3 * size_t(c_.num_shared_experts) * size_t(shard_.shared_inter)) * a;  // unfused shared MLP
+    }
+    worst_layer = std::max(worst_layer, bytes);
+  }
+  return T * (4 * H + 3 * H * a + worst_layer) + size_t(max_logit_rows) * (H * a + 4 * size_t(c_.vocab_size) + 4) +
+         kAllocSlack;
+}
+
+void Model::attention(int l, Tensor h, int T, Tensor out) {
   const AttentionWeights& a = w_.layers[l].attn;
   const int nq = shard_.num_q_heads, nkv = shard_.num_kv_heads, hd = c_.head_dim;
   const RopeParams rope{hd, c_.rotary_dim, float(c_.rope_theta), c_.rms_norm_eps};
@@ -62,21 +87,18 @@ Tensor Model::attention(int l, Tensor h, int T) {
   }
   Tensor attn = ops_.alloc(T, nq * hd);
   ops_.attention(q, k, v, index_q, index_k, p, attn);
-  Tensor out = ops_.alloc(T, c_.hidden_size);
   ops_.linear(attn, a.o_proj, out);  // row-parallel: a partial sum under tp > 1
-  return out;
 }
 
-Tensor Model::mlp(Tensor x, const MlpWeights& w, int T) {
+void Model::mlp(Tensor x, const MlpWeights& w, int T, Tensor out) {
   const int64_t n = w.down.dim(1);
-  Tensor gate_up = ops_.alloc(T, 2 * n), act = ops_.alloc(T, n), out = ops_.alloc(T, c_.hidden_size);
+  Tensor gate_up = ops_.alloc(T, 2 * n), act = ops_.alloc(T, n);
   ops_.linear(x, w.gate_up, gate_up);
   ops_.swiglu(gate_up, {c_.swiglu_alpha, c_.swiglu_limit}, act);
   ops_.linear(act, w.down, out);
-  return out;
 }
 
-Tensor Model::moe(int l, Tensor h, int T) {
+void Model::moe(int l, Tensor h, int T, Tensor out) {
   const MoeWeights& m = w_.layers[l].moe;
   const bool fused = plan_.shared_expert.fused;
   RouterParams rp;
@@ -90,13 +112,15 @@ Tensor Model::moe(int l, Tensor h, int T) {
   Tensor slot_ids = ops_.alloc_typed(T, slots, DType::kI32), slot_weights = ops_.alloc_typed(T, slots, DType::kF32);
   ops_.linear(h, m.router, logits);
   ops_.route(logits, m.bias, rp, slot_ids, slot_weights);
-  Tensor out = ops_.alloc(T, c_.hidden_size);
   ops_.moe_experts(h, slot_ids, slot_weights, m.experts_gate_up, m.experts_down, {c_.swiglu_alpha, c_.swiglu_limit},
                    c_.routed_scaling_factor, out);
   // Unfused: the shared expert runs as its own MLP. Its partial sum joins the routed one before the
   // layer's single reduction (never reduced twice, never once each).
-  if (!m.shared.gate_up.empty()) ops_.add(mlp(h, m.shared, T), out);
-  return out;
+  if (!m.shared.gate_up.empty()) {
+    Tensor shared = ops_.alloc(T, c_.hidden_size);
+    mlp(h, m.shared, T, shared);
+    ops_.add(shared, out);
+  }
 }
 
 Tensor Model::forward(const StepTokens& step) {
@@ -105,16 +129,19 @@ Tensor Model::forward(const StepTokens& step) {
   // The residual stream stays fp32 on every backend: it accumulates 2 x num_layers updates, and
   // rounding it to bf16 after each would cost more accuracy than its bytes are worth.
   Tensor residual = ops_.alloc_typed(T, H, DType::kF32), h = ops_.alloc(T, H);
+  // The previous layer's MLP output: reduced, or a partial sum when deferred. Each layer reads it
+  // in its input norm before its own MLP overwrites it.
+  Tensor pending = ops_.alloc(T, H), attn_out = ops_.alloc(T, H);
   ops_.embed(w_.embed, residual);
-  Tensor pending;  // the previous layer's MLP output: reduced, or a partial sum when deferred
   for (int l = 0; l < c_.num_layers; ++l) {
     const LayerPlan& lp = plan_.layers[l];
     const LayerWeights& lw = w_.layers[l];
+    const size_t layer_scratch = ops_.mark();
     if (l == 0) ops_.rmsnorm(residual, lw.input_norm, eps, h);
     else if (lp.fuse_input_allreduce) comm_.allreduce_add_rmsnorm(pending, residual, lw.input_norm, eps, h);
     else ops_.add_rmsnorm(pending, residual, lw.input_norm, eps, h);
 
-    Tensor attn_out = attention(l, h, T);
+    attention(l, h, T, attn_out);
     switch (lp.attention) {
       case Reduce::kFusedIntoNorm:
         comm_.allreduce_add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
@@ -126,8 +153,10 @@ Tensor Model::forward(const StepTokens& step) {
         ops_.add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
     }
 
-    pending = c_.mlp_layer_types[l] == MlpType::kDense ? mlp(h, lw.dense, T) : moe(l, h, T);
+    if (c_.mlp_layer_types[l] == MlpType::kDense) mlp(h, lw.dense, T, pending);
+    else moe(l, h, T, pending);
     if (lp.mlp == Reduce::kImmediate) comm_.all_reduce(pending);
+    ops_.release(layer_scratch);
   }
   if (plan_.final_norm_fused) comm_.allreduce_add_rmsnorm(pending, residual, w_.final_norm, eps, h);
   else ops_.add_rmsnorm(pending, residual, w_.final_norm, eps, h);

@@ -21,15 +21,21 @@ class Model {
         Ops& ops, Communicator& comm);
 
   CacheShape cache_shape(int max_seqs, int max_len) const;
+  // Upper bound of the activation bytes one step of `max_tokens` tokens (and `max_logit_rows`
+  // logit rows) allocates, for a backend that reserves its scratch up front. `act_bytes` is the
+  // size of the backend's activation dtype.
+  static size_t activation_bytes(const ModelConfig& config, const RankShard& shard, int max_tokens,
+                                 int max_logit_rows, size_t act_bytes);
   // Runs one step (the caller has made it current with ops.begin_step) and returns the logits of
   // step.logit_rows as [rows, vocab] fp32, in backend memory. Launches only: no host sync, so a
   // backend can capture it in a graph.
   Tensor forward(const StepTokens& step);
 
  private:
-  Tensor attention(int layer, Tensor h, int T);
-  Tensor mlp(Tensor x, const MlpWeights& w, int T);
-  Tensor moe(int layer, Tensor h, int T);
+  // Each writes its (partial-sum) output into `out`; temporaries come from the layer's scratch.
+  void attention(int layer, Tensor h, int T, Tensor out);
+  void mlp(Tensor x, const MlpWeights& w, int T, Tensor out);
+  void moe(int layer, Tensor h, int T, Tensor out);
 
   const ModelConfig& c_;
   const FusionPlan& plan_;

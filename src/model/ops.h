@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "model/tensor.h"
@@ -78,6 +79,17 @@ class Ops {
   virtual Tensor alloc(int64_t rows, int64_t cols) = 0;
   // The same for an explicit dtype (slot ids are int32, slot weights fp32 on every backend).
   virtual Tensor alloc_typed(int64_t rows, int64_t cols, DType dtype) = 0;
+  // Activations allocated after mark() are released by release(mark): the forward frees each
+  // layer's temporaries, so a step needs one layer's worth of scratch, not num_layers'.
+  virtual size_t mark() = 0;
+  virtual void release(size_t mark) = 0;
+  // Runs `body` (the launches of one step, already made current by begin_step). A backend that can
+  // record a step (CUDA graphs) records it the first time a `key` is seen and replays it after;
+  // the body must then allocate the same way every time (it does: allocation follows shapes only).
+  virtual Tensor run_step(int key, const std::function<Tensor()>& body) { return body(); }
+  // True when run_step records: the engine then pads decode batches to a few bucket sizes so a
+  // handful of recordings serve every batch.
+  virtual bool records_steps() const { return false; }
   // Allocates the KV cache; called once before the first step.
   virtual void init_cache(const CacheShape& shape) = 0;
   // Makes `step` the current step (the CPU keeps a pointer, CUDA uploads ids/positions/slots).

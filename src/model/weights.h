@@ -56,6 +56,22 @@ struct ModelWeights {
   std::vector<std::unique_ptr<std::byte[]>> storage;  // owns everything above (host memory)
 };
 
+// Calls f(Tensor&) on every tensor of `w` (empty ones included): for moving weights between memories.
+template <class F>
+void for_each_tensor(ModelWeights& w, F&& f) {
+  f(w.embed);
+  f(w.final_norm);
+  f(w.lm_head);
+  for (LayerWeights& l : w.layers) {
+    for (Tensor* t : {&l.input_norm, &l.post_attention_norm, &l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj,
+                      &l.attn.o_proj, &l.attn.q_norm, &l.attn.k_norm, &l.attn.index_q_proj, &l.attn.index_k_proj,
+                      &l.attn.index_q_norm, &l.attn.index_k_norm, &l.dense.gate_up, &l.dense.down, &l.moe.router,
+                      &l.moe.bias, &l.moe.experts_gate_up, &l.moe.experts_down, &l.moe.shared.gate_up,
+                      &l.moe.shared.down})
+      f(*t);
+  }
+}
+
 // Storage dtype the loader gives a checkpoint matrix of dtype `d`.
 DType weight_storage_dtype(DType d);
 

@@ -14,6 +14,8 @@ class CpuOps final : public Ops {
  public:
   Tensor alloc(int64_t rows, int64_t cols) override { return alloc_typed(rows, cols, DType::kF32); }
   Tensor alloc_typed(int64_t rows, int64_t cols, DType dtype) override;
+  size_t mark() override { return workspace_.size(); }
+  void release(size_t mark) override { workspace_.resize(mark); }
   void init_cache(const CacheShape& shape) override;
   void begin_step(const StepTokens& step) override;
 

@@ -71,7 +71,7 @@ void LocalCommGroup::abort() {
 
 void LocalCommGroup::barrier() {
   std::unique_lock lock(mutex_);
-  TPMOE_CHECK(!aborted_, "another tensor-parallel rank failed");
+  if (aborted_) throw PeerFailed("another tensor-parallel rank failed", __FILE__, __LINE__);
   const uint64_t gen = generation_;
   if (++arrived_ == size_) {
     arrived_ = 0;
@@ -80,7 +80,7 @@ void LocalCommGroup::barrier() {
     return;
   }
   cv_.wait(lock, [&] { return generation_ != gen || aborted_; });
-  TPMOE_CHECK(!aborted_, "another tensor-parallel rank failed");
+  if (aborted_) throw PeerFailed("another tensor-parallel rank failed", __FILE__, __LINE__);
 }
 
 }  // namespace tpmoe::cpu

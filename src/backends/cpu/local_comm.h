@@ -14,9 +14,17 @@
 #include <mutex>
 #include <vector>
 
+#include "core/error.h"
 #include "model/communicator.h"
 
 namespace tpmoe::cpu {
+
+// What a rank blocked in a collective throws when a peer failed: the peer's own error is the one
+// to report.
+class PeerFailed : public Error {
+ public:
+  using Error::Error;
+};
 
 class LocalCommGroup {
  public:

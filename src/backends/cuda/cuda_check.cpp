@@ -9,8 +9,8 @@ void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int l
 }
 
 void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line) {
-  throw_error(file, line, fmt::format("cuBLAS error {} ({}) in {}", cublasGetStatusName(status),
-                                      cublasGetStatusString(status), expr));
+  throw_error(file, line, fmt::format("cuBLAS error {} ({}) in {}", cublasLtGetStatusName(status),
+                                      cublasLtGetStatusString(status), expr));
 }
 
 }  // namespace tpmoe::cuda

@@ -1,0 +1,713 @@
+// Attention over the bf16 KV cache (SPEC §1.3-1.4), in up to four launches on one stream:
+//
+// 1. cache_write_kernel, one block per token: copies the step's k, v rows (and index_k on sparse
+//    layers) into the cache at (seq_slots[t], positions[t]) with 16-byte vectors. A launch of its
+//    own, so every key of the step is in the cache before any query reads (prefill sees itself).
+//    Bytes: T * (2*nkv*hd + ihd) * 2 read and written.
+// 2. select_blocks_kernel (sparse layers), one block per (token, index head g): fp32 scores
+//    iq[g]·ik[s] for s <= pos (bf16 inputs, no scale; 8 lanes per key), block max by atomicMax on
+//    order-preserving uint32 keys in shared memory (order-independent, hence exact), the local
+//    blocks set to +inf, then the top min(topk, pos/bs + 1) blocks by repeated block-wide argmax
+//    over (score desc, block index asc): ties go to the lower block, as in the CPU oracle. A chosen
+//    -inf block ends the selection (it and everything after it are dropped). Output: kept-block
+//    list int32 [T][nih][topk] in the workspace, ascending, -1 padded. Shared memory holds one
+//    uint32 per block of max_len: ceil(max_len/bs)*4 bytes (16 KiB at 256k keys, bs 64).
+//    Bytes: T * nih * pos * ihd * 2 (index keys, read once per index head).
+// 3. attention_split_kernel<HD> (flash-decoding), grid (token, kv head x head chunk, split):
+//    one block serves up to 16 query heads of one KV group (one warp per query head), so a K/V tile
+//    is read once for the group. Splits cut [0, max_len) into fixed chunks (the grid depends on
+//    num_tokens and max_len only: graph-capturable); a split starting past the query's position
+//    exits at once. A block walks its visible keys (full layers: [chunk_lo, min(chunk_hi, pos+1));
+//    sparse layers: the kept blocks of index head g = kv head, intersected with the chunk and
+//    [0, pos]) in tiles of 32 keys: K and V rows land in shared memory by 16-byte loads (rows of
+//    invisible tile slots are zero-filled, never read), lane r scores key r, online softmax in fp32
+//    (exp2 with the scale folded into log2 units), lane l accumulates head dims [l*HD/32, (l+1)*HD/32).
+//    With one split the block writes the bf16 output directly; otherwise per-split partials
+//    (m, l, acc[HD], fp32) go to the workspace.
+// 4. attention_combine_kernel, one block of HD threads per (token, q head): merges the partials of
+//    the splits that ran (split s ran iff s*chunk <= pos) and writes bf16. A query that sees no key
+//    at all (only possible with topk_blocks = 0) gets zeros (the CPU oracle gives NaN there).
+//
+// Workspace layout (attention_workspace_bytes): [kept int32 T*nih*topk][pad to 256 B]
+//   [ml float2 T*nq*S][acc float T*nq*S*HD], the partials only when S > 1. The number of splits S
+//   is chosen so that T*nq*S <= kMaxPartialRows (16384) and chunks are >= 256 keys.
+// Layouts: q/out [T, nq*hd], k/v [T, nkv*hd], index_q [T, nih*ihd], index_k [T, ihd], all bf16
+// row-major; cache as in attention.cuh. All pointers 16-byte aligned, hd and ihd multiples of 8.
+// FLOPs for decode: 4*T*L*nq*hd (QK and PV); the indexer adds 2*T*L*nih*ihd.
+#include "backends/cuda/attention.cuh"
+
+#include <cstdint>
+#include <string>
+
+#include "backends/cuda/cuda_check.h"
+
+namespace tpmoe::cuda {
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kTile = 32;              // keys per attention tile: one per lane
+constexpr int kMaxWarps = 16;          // query heads one attention block serves
+constexpr int kMaxTopk = 256;          // kept blocks per (token, index head) the kernels support
+constexpr int kMinChunk = 256;         // keys per split, at least
+constexpr int64_t kMaxPartialRows = 16384;  // (token, q head, split) partial rows, at most
+constexpr int kSelectThreads = 256;
+constexpr int kCacheWriteThreads = 128;
+constexpr size_t kSmemOptInMax = 227 * 1024;  // sm_90 dynamic + static shared memory per block
+constexpr size_t kSelectStaticSmem = 4096;    // bound on select_blocks_kernel's static arrays
+constexpr size_t kAlign = 256;
+
+// Order-preserving map float -> uint32 (a < b  <=>  key(a) < key(b)); -0.0 is folded into +0.0
+// first so equal scores get equal keys, as they compare equal in the oracle.
+constexpr uint32_t kKeyNegInf = 0x007FFFFFu;  // key(-inf)
+constexpr uint32_t kKeyPosInf = 0xFF800000u;  // key(+inf)
+constexpr uint32_t kKeyRemoved = 0u;          // below every float's key
+
+// A kernel cannot throw; the launcher rejects what the kernels do not support, as a tpmoe::Error.
+void check_arg(bool ok, const std::string& what) {
+  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what.c_str(), __FILE__, __LINE__);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+
+struct SplitPlan {
+  int num_splits;
+  int chunk;  // keys per split; num_splits * chunk >= max_len
+};
+
+// Depends on the step's token count and max_len only, never on positions (graph capture).
+SplitPlan plan_splits(int num_tokens, int num_q_heads, int max_len) {
+  const int64_t rows = std::max<int64_t>(1, int64_t(num_tokens) * num_q_heads);
+  const int64_t want = std::max<int64_t>(1, ceil_div(max_len, kMinChunk));
+  const int64_t cap = std::max<int64_t>(1, kMaxPartialRows / rows);
+  const int64_t splits = std::min(want, cap);
+  const int64_t chunk = std::max<int64_t>(1, ceil_div(max_len, splits));
+  return {int(ceil_div(max_len, chunk)), int(chunk)};
+}
+
+size_t kept_bytes(int num_tokens, int num_index_heads, int topk_blocks) {
+  return align_up(size_t(num_tokens) * size_t(std::max(num_index_heads, 0)) * size_t(std::max(topk_blocks, 0)) *
+                  sizeof(int32_t));
+}
+
+size_t partial_bytes(int num_tokens, int num_q_heads, int head_dim, int max_len) {
+  const SplitPlan plan = plan_splits(num_tokens, num_q_heads, max_len);
+  if (plan.num_splits <= 1) return 0;
+  const size_t rows = size_t(num_tokens) * size_t(num_q_heads) * size_t(plan.num_splits);
+  return align_up(rows * sizeof(float2)) + align_up(rows * size_t(head_dim) * sizeof(float));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7FFFFFFFu) == 0) u = 0;  // -0.0 -> +0.0
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// sum_i a[i] * b[i] over 8 bf16 pairs, fp32.
+__device__ __forceinline__ float dot8(const uint4& a, const uint4& b, float acc) {
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&a);
+  const __nv_bfloat162* y = reinterpret_cast<const __nv_bfloat162*>(&b);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 fx = __bfloat1622float2(x[i]);
+    const float2 fy = __bfloat1622float2(y[i]);
+    acc = fmaf(fx.x, fy.x, acc);
+    acc = fmaf(fx.y, fy.y, acc);
+  }
+  return acc;
+}
+
+// N consecutive bf16 (N = 1, 2, 4, 8; aligned to N*2 bytes) widened to fp32.
+template <int N>
+__device__ __forceinline__ void load_bf16(const __nv_bfloat16* p, float (&o)[N]) {
+  if constexpr (N == 1) {
+    o[0] = __bfloat162float(p[0]);
+  } else if constexpr (N == 2) {
+    const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+    o[0] = f.x;
+    o[1] = f.y;
+  } else if constexpr (N == 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      o[2 * i] = f.x;
+      o[2 * i + 1] = f.y;
+    }
+  } else {
+    static_assert(N == 8, "load_bf16: N must be 1, 2, 4 or 8");
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      o[2 * i] = f.x;
+      o[2 * i + 1] = f.y;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Cache write
+
+struct CacheWriteArgs {
+  const __nv_bfloat16* k;
+  const __nv_bfloat16* v;
+  const __nv_bfloat16* index_k;  // nullptr: full layer
+  __nv_bfloat16* k_cache;
+  __nv_bfloat16* v_cache;
+  __nv_bfloat16* index_k_cache;
+  const int32_t* positions;
+  const int32_t* seq_slots;
+  int kv_row;          // nkv * hd
+  int index_head_dim;  // ihd
+  int max_len;
+};
+
+__global__ void __launch_bounds__(kCacheWriteThreads) cache_write_kernel(const CacheWriteArgs a) {
+  const int t = blockIdx.x;
+  const size_t cache_row = size_t(a.seq_slots[t]) * size_t(a.max_len) + size_t(a.positions[t]);
+  {
+    const uint4* ks = reinterpret_cast<const uint4*>(a.k + size_t(t) * a.kv_row);
+    const uint4* vs = reinterpret_cast<const uint4*>(a.v + size_t(t) * a.kv_row);
+    uint4* kd = reinterpret_cast<uint4*>(a.k_cache + cache_row * a.kv_row);
+    uint4* vd = reinterpret_cast<uint4*>(a.v_cache + cache_row * a.kv_row);
+    for (int c = threadIdx.x; c < a.kv_row / 8; c += blockDim.x) {
+      kd[c] = ks[c];
+      vd[c] = vs[c];
+    }
+  }
+  if (a.index_k != nullptr) {
+    const uint4* is = reinterpret_cast<const uint4*>(a.index_k + size_t(t) * a.index_head_dim);
+    uint4* id = reinterpret_cast<uint4*>(a.index_k_cache + cache_row * a.index_head_dim);
+    for (int c = threadIdx.x; c < a.index_head_dim / 8; c += blockDim.x) id[c] = is[c];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Block selection (lightning indexer)
+
+struct SelectArgs {
+  const __nv_bfloat16* index_q;        // [T, nih*ihd]
+  const __nv_bfloat16* index_k_cache;  // [max_seqs][max_len][ihd]
+  const int32_t* positions;
+  const int32_t* seq_slots;
+  int32_t* kept;  // [T][nih][topk]
+  int num_index_heads;
+  int index_head_dim;
+  int max_len;
+  int block_size;
+  int topk;
+  int local_blocks;
+};
+
+// Dynamic shared memory: float iq[ihd], then uint32 block_key[ceil(max_len / bs)].
+__global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const SelectArgs a) {
+  extern __shared__ __align__(16) unsigned char select_smem[];
+  float* iq = reinterpret_cast<float*>(select_smem);
+  uint32_t* block_key = reinterpret_cast<uint32_t*>(select_smem + size_t(a.index_head_dim) * sizeof(float));
+  __shared__ unsigned long long warp_best[kSelectThreads / kWarp];
+  __shared__ int kept_s[kMaxTopk];
+  __shared__ int num_kept_s;
+  __shared__ int done_s;
+
+  const int t = blockIdx.x, g = blockIdx.y;
+  const int pos = a.positions[t], slot = a.seq_slots[t];
+  const int bs = a.block_size, ihd = a.index_head_dim;
+  const int num_blocks = pos / bs + 1;  // blocks holding a key <= pos
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int num_warps = blockDim.x / kWarp;
+
+  const __nv_bfloat16* q_row = a.index_q + (size_t(t) * a.num_index_heads + g) * ihd;
+  for (int i = tid; i < ihd; i += blockDim.x) iq[i] = __bfloat162float(q_row[i]);
+  for (int b = tid; b < num_blocks; b += blockDim.x) block_key[b] = kKeyNegInf;
+  __syncthreads();
+
+  // Scores: 8 lanes per key, 4 keys per warp per step; the loop bound is warp-uniform so every
+  // lane takes part in the shuffles.
+  const int sub = lane / 8, lane8 = lane % 8, chunks = ihd / 8;
+  const __nv_bfloat16* k_base = a.index_k_cache + size_t(slot) * size_t(a.max_len) * ihd;
+  for (int s0 = warp * 4; s0 <= pos; s0 += num_warps * 4) {
+    const int s = s0 + sub;
+    float acc = 0.f;
+    if (s <= pos) {
+      const __nv_bfloat16* k_row = k_base + size_t(s) * ihd;
+      for (int c = lane8; c < chunks; c += 8) {
+        const uint4 kv = *reinterpret_cast<const uint4*>(k_row + c * 8);
+        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&kv);
+        const float* qc = iq + c * 8;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(h[i]);
+          acc = fmaf(qc[2 * i], f.x, acc);
+          acc = fmaf(qc[2 * i + 1], f.y, acc);
+        }
+      }
+    }
+    acc += __shfl_xor_sync(0xffffffffu, acc, 4);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+    acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+    // NaN scores are skipped, as std::max(block, NaN) keeps the block's value in the oracle.
+    if (lane8 == 0 && s <= pos && !isnan(acc)) atomicMax(&block_key[s / bs], order_key(acc));
+  }
+  __syncthreads();
+  if (tid == 0)
+    for (int j = 0; j < a.local_blocks; ++j) block_key[max(0, pos / bs - j)] = kKeyPosInf;
+  __syncthreads();
+
+  int32_t* out = a.kept + (size_t(t) * a.num_index_heads + g) * a.topk;
+  const int keep = min(a.topk, num_blocks);
+  if (keep == num_blocks) {  // every block is kept (short context): no ranking needed
+    for (int e = tid; e < a.topk; e += blockDim.x)
+      out[e] = (e < num_blocks && block_key[e] != kKeyNegInf) ? e : -1;
+    return;
+  }
+
+  // keep < num_blocks: `keep` passes of block-wide argmax over (key desc, block index asc).
+  if (tid == 0) {
+    num_kept_s = 0;
+    done_s = 0;
+  }
+  __syncthreads();
+  for (int r = 0; r < keep; ++r) {
+    unsigned long long best = 0;
+    for (int b = tid; b < num_blocks; b += blockDim.x) {
+      const unsigned long long cand =
+          (static_cast<unsigned long long>(block_key[b]) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(b));
+      best = cand > best ? cand : best;
+    }
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off >>= 1) {
+      const unsigned long long o = __shfl_xor_sync(0xffffffffu, best, off);
+      best = o > best ? o : best;
+    }
+    if (lane == 0) warp_best[warp] = best;
+    __syncthreads();
+    if (tid == 0) {
+      for (int w = 1; w < num_warps; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+      if (uint32_t(best >> 32) <= kKeyNegInf) {
+        done_s = 1;  // the best left is -inf: it and all the rest are dropped
+      } else {
+        const int b = int(0xFFFFFFFFull - (best & 0xFFFFFFFFull));
+        kept_s[num_kept_s++] = b;
+        block_key[b] = kKeyRemoved;
+      }
+    }
+    __syncthreads();
+    if (done_s) break;
+  }
+  if (tid == 0) {  // ascending block order (memory order for the attention walk), -1 padded
+    const int n = num_kept_s;
+    for (int i = 1; i < n; ++i) {
+      const int x = kept_s[i];
+      int j = i - 1;
+      while (j >= 0 && kept_s[j] > x) {
+        kept_s[j + 1] = kept_s[j];
+        --j;
+      }
+      kept_s[j + 1] = x;
+    }
+    for (int e = 0; e < a.topk; ++e) out[e] = e < n ? kept_s[e] : -1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Split-KV attention
+
+struct SplitArgs {
+  const __nv_bfloat16* q;  // [T, nq*HD]
+  const __nv_bfloat16* k_cache;
+  const __nv_bfloat16* v_cache;
+  const int32_t* positions;
+  const int32_t* seq_slots;
+  const int32_t* kept;  // [T][nkv][topk] (sparse layers)
+  int sparse;           // 0: full attention over [0, pos]
+  int num_q_heads;
+  int num_kv_heads;
+  int group;        // nq / nkv
+  int head_chunks;  // ceil(group / kMaxWarps)
+  int max_len;
+  int block_size;
+  int topk;
+  float scale_log2;  // scale * log2(e)
+  int num_splits;
+  int chunk;
+  __nv_bfloat16* out;  // written when num_splits == 1
+  float2* ml;          // [T*nq][S] (m in log2 units, l)
+  float* acc;          // [T*nq][S][HD]
+};
+
+template <int HD>
+__global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const SplitArgs a) {
+  constexpr int kChunks = HD / 8;  // 16-byte vectors per row
+  constexpr int kDpl = HD / kWarp;  // head dims per lane
+  constexpr int kKStride = HD + 8;  // padding: lane r reading row r hits distinct banks
+  __shared__ __align__(16) __nv_bfloat16 k_tile[kTile * kKStride];
+  __shared__ __align__(16) __nv_bfloat16 v_tile[kTile * HD];
+  __shared__ __align__(16) __nv_bfloat16 q_s[kMaxWarps * HD];
+  __shared__ int seg_start[kMaxTopk];    // first visible key of segment e
+  __shared__ int seg_off[kMaxTopk + 1];  // visible keys before segment e (exclusive prefix sum)
+  __shared__ int tile_pos[kTile];        // key position of tile slot r, -1: empty slot
+
+  const int t = blockIdx.x;
+  const int kvh = blockIdx.y / a.head_chunks, head_chunk = blockIdx.y % a.head_chunks;
+  const int split = blockIdx.z;
+  const int pos = a.positions[t], slot = a.seq_slots[t];
+  const int lo = split * a.chunk;
+  if (lo > pos) return;  // uniform over the block; the combine skips this split
+  const int hi = min(lo + a.chunk, pos + 1);
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+
+  // Visible keys as segments [seg_start[e], seg_start[e] + len_e), len_e = seg_off[e+1] - seg_off[e]
+  // (possibly 0). Full layers: one segment.
+  const int num_segs = a.sparse ? a.topk : 1;
+  if (!a.sparse) {
+    if (tid == 0) {
+      seg_start[0] = lo;
+      seg_off[0] = 0;
+      seg_off[1] = hi - lo;
+    }
+  } else {
+    const int32_t* kept = a.kept + (size_t(t) * a.num_kv_heads + kvh) * a.topk;
+    if (warp == 0) {
+      int carry = 0;
+      for (int base = 0; base < num_segs; base += kWarp) {
+        const int e = base + lane;
+        int len = 0;
+        if (e < num_segs) {
+          const int b = kept[e];
+          int s0 = 0;
+          if (b >= 0) {
+            s0 = max(b * a.block_size, lo);
+            len = max(0, min((b + 1) * a.block_size, hi) - s0);
+          }
+          seg_start[e] = s0;
+        }
+        int incl = len;  // inclusive scan over the warp
+#pragma unroll
+        for (int off = 1; off < kWarp; off <<= 1) {
+          const int o = __shfl_up_sync(0xffffffffu, incl, off);
+          if (lane >= off) incl += o;
+        }
+        if (e < num_segs) seg_off[e] = carry + incl - len;
+        carry += __shfl_sync(0xffffffffu, incl, kWarp - 1);
+      }
+      if (lane == 0) seg_off[num_segs] = carry;
+    }
+  }
+
+  const int head_in_group = head_chunk * kMaxWarps + warp;
+  const bool active = head_in_group < a.group;
+  const int qh = kvh * a.group + head_in_group;
+  if (active) {
+    const uint4* src = reinterpret_cast<const uint4*>(a.q + (size_t(t) * a.num_q_heads + qh) * HD);
+    for (int c = lane; c < kChunks; c += kWarp) reinterpret_cast<uint4*>(q_s + warp * HD)[c] = src[c];
+  }
+  __syncthreads();
+
+  const int total = seg_off[num_segs];
+  const size_t pos_stride = size_t(a.num_kv_heads) * HD;  // elements between consecutive positions
+  const size_t head_base = size_t(slot) * size_t(a.max_len) * pos_stride + size_t(kvh) * HD;
+  float m = -INFINITY, l = 0.f;
+  float acc[kDpl];
+#pragma unroll
+  for (int i = 0; i < kDpl; ++i) acc[i] = 0.f;
+
+  for (int i0 = 0; i0 < total; i0 += kTile) {
+    if (tid < kTile) {
+      const int i = i0 + tid;
+      int p = -1;
+      if (i < total) {  // the last segment e with seg_off[e] <= i holds key number i
+        int lo_e = 0, hi_e = num_segs - 1;
+        while (lo_e < hi_e) {
+          const int mid = (lo_e + hi_e + 1) / 2;
+          if (seg_off[mid] <= i) lo_e = mid;
+          else hi_e = mid - 1;
+        }
+        p = seg_start[lo_e] + (i - seg_off[lo_e]);
+      }
+      tile_pos[tid] = p;
+    }
+    __syncthreads();
+    for (int idx = tid; idx < kTile * kChunks; idx += blockDim.x) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const int p = tile_pos[r];
+      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+      if (p >= 0) {
+        const size_t off = head_base + size_t(p) * pos_stride + size_t(c) * 8;
+        kv = *reinterpret_cast<const uint4*>(a.k_cache + off);
+        vv = *reinterpret_cast<const uint4*>(a.v_cache + off);
+      }
+      *reinterpret_cast<uint4*>(k_tile + r * kKStride + c * 8) = kv;
+      *reinterpret_cast<uint4*>(v_tile + r * HD + c * 8) = vv;
+    }
+    __syncthreads();
+    if (active) {
+      const int n = min(kTile, total - i0);  // slots [0, n) hold keys; the rest are zero rows
+      float s = -INFINITY;
+      if (lane < n) {
+        float d = 0.f;
+        const uint4* qv = reinterpret_cast<const uint4*>(q_s + warp * HD);
+        const uint4* kr = reinterpret_cast<const uint4*>(k_tile + lane * kKStride);
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) d = dot8(qv[c], kr[c], d);
+        s = d * a.scale_log2;
+      }
+      const float m_new = fmaxf(m, warp_max(s));  // finite: slot 0 always holds a key
+      const float alpha = exp2f(m - m_new);       // 0 on the first tile (m = -inf)
+      const float pr = lane < n ? exp2f(s - m_new) : 0.f;
+      l = l * alpha + warp_sum(pr);
+#pragma unroll
+      for (int i = 0; i < kDpl; ++i) acc[i] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kTile; ++j) {
+        const float pj = __shfl_sync(0xffffffffu, pr, j);
+        float vj[kDpl];
+        load_bf16<kDpl>(v_tile + j * HD + lane * kDpl, vj);
+#pragma unroll
+        for (int i = 0; i < kDpl; ++i) acc[i] = fmaf(pj, vj[i], acc[i]);
+      }
+      m = m_new;
+    }
+    __syncthreads();  // the next tile overwrites tile_pos, k_tile, v_tile
+  }
+
+  if (!active) return;
+  const size_t row = size_t(t) * a.num_q_heads + qh;
+  if (a.num_splits == 1) {
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    __nv_bfloat16* o = a.out + row * HD + lane * kDpl;
+#pragma unroll
+    for (int i = 0; i < kDpl; ++i) o[i] = __float2bfloat16(acc[i] * inv);
+  } else {
+    const size_t prow = row * a.num_splits + split;
+    if (lane == 0) a.ml[prow] = make_float2(m, l);
+    float* o = a.acc + prow * HD + lane * kDpl;
+#pragma unroll
+    for (int i = 0; i < kDpl; ++i) o[i] = acc[i];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Combine
+
+struct CombineArgs {
+  const float2* ml;
+  const float* acc;
+  const int32_t* positions;
+  __nv_bfloat16* out;
+  int num_q_heads;
+  int head_dim;
+  int num_splits;
+  int chunk;
+};
+
+// One block of head_dim threads per (token, q head); thread d owns output dim d.
+__global__ void attention_combine_kernel(const CombineArgs a) {
+  const int t = blockIdx.x, qh = blockIdx.y, d = threadIdx.x;
+  const size_t row = size_t(t) * a.num_q_heads + qh;
+  const int ran = min(a.num_splits, a.positions[t] / a.chunk + 1);  // splits with s*chunk <= pos
+  const float2* ml = a.ml + row * a.num_splits;
+  float m_max = -INFINITY;
+  for (int s = 0; s < ran; ++s) m_max = fmaxf(m_max, ml[s].x);
+  float o = 0.f;
+  if (m_max != -INFINITY) {
+    float denom = 0.f, num = 0.f;
+    const float* acc = a.acc + row * a.num_splits * a.head_dim + d;
+    for (int s = 0; s < ran; ++s) {
+      const float2 v = ml[s];
+      if (v.x == -INFINITY) continue;  // a split that saw no key
+      const float w = exp2f(v.x - m_max);
+      denom += w * v.y;
+      num += w * acc[size_t(s) * a.head_dim];
+    }
+    o = num / denom;
+  }
+  a.out[row * a.head_dim + d] = __float2bfloat16(o);
+}
+
+template <int HD>
+void launch_split(const SplitArgs& args, int num_tokens, cudaStream_t stream) {
+  const int warps = std::min(args.group, kMaxWarps);
+  const dim3 grid(unsigned(num_tokens), unsigned(args.num_kv_heads * args.head_chunks), unsigned(args.num_splits));
+  attention_split_kernel<HD><<<grid, warps * kWarp, 0, stream>>>(args);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_heads, int head_dim, int max_len,
+                                 int block_size, int topk_blocks) {
+  // The partials shrink as tokens grow (S ~ kMaxPartialRows / (T*nq)) but not monotonically once
+  // rounded: take the largest over every token count the step may have. Past kMaxPartialRows rows
+  // there is one split and no partials.
+  size_t partials = 0;
+  const int64_t last = std::min<int64_t>(max_tokens, kMaxPartialRows);
+  for (int64_t t = 1; t <= last; ++t)
+    partials = std::max(partials, partial_bytes(int(t), num_q_heads, head_dim, max_len));
+  return kept_bytes(max_tokens, num_index_heads, topk_blocks) + partials;
+}
+
+void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
+  const int T = p.num_tokens;
+  check_arg(T >= 0, "attention: num_tokens must be >= 0");
+  if (T == 0) return;
+  const bool sparse = p.index_q != nullptr;
+  const KvCacheLayer& c = p.cache;
+  check_arg(p.num_q_heads > 0 && p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0,
+            "attention: num_q_heads=" + std::to_string(p.num_q_heads) + " must be a positive multiple of num_kv_heads=" +
+                std::to_string(p.num_kv_heads));
+  check_arg(c.num_kv_heads == p.num_kv_heads && c.head_dim == p.head_dim,
+            "attention: the KV cache layer's num_kv_heads/head_dim differ from the op's");
+  check_arg(c.max_len > 0 && c.max_seqs > 0, "attention: empty KV cache layer");
+  check_arg(p.q && p.k && p.v && p.out && c.k && c.v && p.positions && p.seq_slots, "attention: null pointer");
+  check_arg(aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) && aligned16(c.k) &&
+                aligned16(c.v) && aligned16(p.workspace),
+            "attention: q, k, v, out, cache and workspace must be 16-byte aligned");
+  if (sparse) {
+    check_arg(p.index_k && c.index_k, "attention: sparse layer without index_k or index-key cache");
+    check_arg(aligned16(p.index_q) && aligned16(p.index_k) && aligned16(c.index_k),
+              "attention: index_q, index_k and the index-key cache must be 16-byte aligned");
+    check_arg(p.num_index_heads == p.num_kv_heads,
+              "attention: num_index_heads=" + std::to_string(p.num_index_heads) + " must equal num_kv_heads=" +
+                  std::to_string(p.num_kv_heads) + " (SPEC §1.4)");
+    check_arg(p.index_head_dim > 0 && p.index_head_dim % 8 == 0 && c.index_head_dim == p.index_head_dim,
+              "attention: index_head_dim=" + std::to_string(p.index_head_dim) +
+                  " must be a positive multiple of 8 and match the cache");
+    check_arg(p.block_size > 0, "attention: index block_size must be > 0");
+    check_arg(p.topk_blocks >= 0 && p.topk_blocks <= kMaxTopk,
+              "attention: unsupported topk_blocks=" + std::to_string(p.topk_blocks) + " (at most " +
+                  std::to_string(kMaxTopk) + ")");
+    check_arg(p.local_blocks >= 0, "attention: local_blocks must be >= 0");
+  }
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int head_chunks = int(ceil_div(group, kMaxWarps));
+  check_arg(int64_t(p.num_kv_heads) * head_chunks <= 65535, "attention: too many KV heads for the grid");
+
+  const SplitPlan plan = plan_splits(T, p.num_q_heads, c.max_len);
+  check_arg(plan.num_splits <= 65535, "attention: max_len too large for the split grid");
+  const size_t kept_region = sparse ? kept_bytes(T, p.num_index_heads, p.topk_blocks) : 0;
+  const size_t need = kept_region + partial_bytes(T, p.num_q_heads, p.head_dim, c.max_len);
+  check_arg(p.workspace_bytes >= need && (need == 0 || p.workspace != nullptr),
+            "attention: workspace of " + std::to_string(p.workspace_bytes) + " bytes, the step needs " +
+                std::to_string(need) + " (size it with attention_workspace_bytes)");
+  switch (p.head_dim) {
+    case 32: case 64: case 128: case 256: break;
+    default:
+      check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim) +
+                           " (kernels are built for 32, 64, 128, 256)");
+  }
+
+  unsigned char* ws = static_cast<unsigned char*>(p.workspace);
+  int32_t* kept = sparse ? reinterpret_cast<int32_t*>(ws) : nullptr;
+
+  // 1. cache writes
+  {
+    CacheWriteArgs a{};
+    a.k = p.k;
+    a.v = p.v;
+    a.index_k = sparse ? p.index_k : nullptr;
+    a.k_cache = c.k;
+    a.v_cache = c.v;
+    a.index_k_cache = c.index_k;
+    a.positions = p.positions;
+    a.seq_slots = p.seq_slots;
+    a.kv_row = p.num_kv_heads * p.head_dim;
+    a.index_head_dim = sparse ? p.index_head_dim : 0;
+    a.max_len = c.max_len;
+    cache_write_kernel<<<unsigned(T), kCacheWriteThreads, 0, stream>>>(a);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  // 2. block selection
+  if (sparse && p.topk_blocks > 0) {
+    const size_t max_blocks = size_t(ceil_div(c.max_len, p.block_size));
+    const size_t smem = size_t(p.index_head_dim) * sizeof(float) + max_blocks * sizeof(uint32_t);
+    check_arg(smem + kSelectStaticSmem <= kSmemOptInMax,
+              "attention: max_len/block_size = " + std::to_string(max_blocks) +
+                  " blocks exceed the indexer's shared-memory selection");
+    if (smem > 48 * 1024)
+      CUDA_CHECK(cudaFuncSetAttribute(select_blocks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+    SelectArgs a{};
+    a.index_q = p.index_q;
+    a.index_k_cache = c.index_k;
+    a.positions = p.positions;
+    a.seq_slots = p.seq_slots;
+    a.kept = kept;
+    a.num_index_heads = p.num_index_heads;
+    a.index_head_dim = p.index_head_dim;
+    a.max_len = c.max_len;
+    a.block_size = p.block_size;
+    a.topk = p.topk_blocks;
+    a.local_blocks = p.local_blocks;
+    select_blocks_kernel<<<dim3(unsigned(T), unsigned(p.num_index_heads)), kSelectThreads, smem, stream>>>(a);
+    CUDA_CHECK_LAUNCH();
+  }
+
+  // 3. split-KV attention (topk_blocks = 0 on a sparse layer: no kept blocks, zero segments)
+  SplitArgs a{};
+  a.q = p.q;
+  a.k_cache = c.k;
+  a.v_cache = c.v;
+  a.positions = p.positions;
+  a.seq_slots = p.seq_slots;
+  a.kept = kept;
+  a.sparse = sparse ? 1 : 0;
+  a.num_q_heads = p.num_q_heads;
+  a.num_kv_heads = p.num_kv_heads;
+  a.group = group;
+  a.head_chunks = head_chunks;
+  a.max_len = c.max_len;
+  a.block_size = sparse ? p.block_size : 0;
+  a.topk = sparse ? p.topk_blocks : 0;
+  a.scale_log2 = p.scale * 1.4426950408889634f;
+  a.num_splits = plan.num_splits;
+  a.chunk = plan.chunk;
+  a.out = p.out;
+  const size_t rows = size_t(T) * p.num_q_heads * plan.num_splits;
+  a.ml = plan.num_splits > 1 ? reinterpret_cast<float2*>(ws + kept_region) : nullptr;
+  a.acc = plan.num_splits > 1 ? reinterpret_cast<float*>(ws + kept_region + align_up(rows * sizeof(float2))) : nullptr;
+  switch (p.head_dim) {
+    case 32: launch_split<32>(a, T, stream); break;
+    case 64: launch_split<64>(a, T, stream); break;
+    case 128: launch_split<128>(a, T, stream); break;
+    case 256: launch_split<256>(a, T, stream); break;
+    default: check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim));
+  }
+
+  // 4. combine
+  if (plan.num_splits > 1) {
+    CombineArgs ca{};
+    ca.ml = a.ml;
+    ca.acc = a.acc;
+    ca.positions = p.positions;
+    ca.out = p.out;
+    ca.num_q_heads = p.num_q_heads;
+    ca.head_dim = p.head_dim;
+    ca.num_splits = plan.num_splits;
+    ca.chunk = plan.chunk;
+    attention_combine_kernel<<<dim3(unsigned(T), unsigned(p.num_q_heads)), unsigned(p.head_dim), 0, stream>>>(ca);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+}  // namespace tpmoe::cuda

@@ -1,0 +1,281 @@
+#include "backends/cuda/cuda_ops.h"
+
+#include <cstring>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/elementwise.cuh"
+#include "backends/cuda/moe.cuh"
+#include "backends/cuda/norm.cuh"
+#include "core/error.h"
+
+namespace tpmoe::cuda {
+
+namespace {
+constexpr size_t kAllocAlign = 256;  // every arena allocation starts 256-byte aligned (16-byte loads, cuBLASLt)
+
+const __nv_bfloat16* bf16(const Tensor& t) { return static_cast<const __nv_bfloat16*>(t.data); }
+__nv_bfloat16* bf16_mut(const Tensor& t) { return static_cast<__nv_bfloat16*>(t.data); }
+
+void expect(const Tensor& t, DType dtype, const char* what) {
+  TPMOE_CHECK(t.dtype == dtype, "CUDA backend: {} must be {}, got {}", what, dtype_name(dtype), dtype_name(t.dtype));
+}
+}  // namespace
+
+CudaOps::CudaOps(const CudaReserve& reserve) : reserve_(reserve) {
+  CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), reserve.arena_bytes));
+  if (reserve.moe_workspace_bytes) CUDA_CHECK(cudaMalloc(&moe_workspace_, reserve.moe_workspace_bytes));
+  // Token ids, positions, slots and logit rows: 4 arrays of max_tokens.
+  const size_t step_bytes = 4 * size_t(reserve.max_tokens) * sizeof(int32_t);
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_device_), step_bytes));
+  CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&step_pinned_), step_bytes));
+  token_ids_ = step_device_;
+  positions_ = step_device_ + reserve.max_tokens;
+  seq_slots_ = step_device_ + 2 * reserve.max_tokens;
+  logit_rows_ = step_device_ + 3 * reserve.max_tokens;
+}
+
+CudaOps::~CudaOps() {
+  cudaStreamSynchronize(stream_);
+  for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g.exec);
+  for (void* p : cache_allocations_) cudaFree(p);
+  cudaFree(attention_workspace_);
+  cudaFree(moe_workspace_);
+  cudaFree(arena_);
+  cudaFree(step_device_);
+  cudaFreeHost(step_pinned_);
+  cudaStreamDestroy(stream_);
+}
+
+Tensor CudaOps::alloc_typed(int64_t rows, int64_t cols, DType dtype) {
+  const size_t bytes = (size_t(rows * cols) * dtype_size(dtype) + kAllocAlign - 1) / kAllocAlign * kAllocAlign;
+  TPMOE_CHECK(arena_used_ + bytes <= reserve_.arena_bytes,
+              "CUDA backend: step scratch exhausted ({} of {} bytes reserved); the activation estimate is wrong",
+              arena_used_ + bytes, reserve_.arena_bytes);
+  Tensor t = Tensor::make(arena_ + arena_used_, dtype, rows, cols);
+  arena_used_ += bytes;
+  return t;
+}
+
+void CudaOps::init_cache(const CacheShape& shape) {
+  for (void* p : cache_allocations_) CUDA_CHECK(cudaFree(p));
+  cache_allocations_.clear();
+  cache_.clear();
+  for (auto& [key, g] : graphs_) CUDA_CHECK(cudaGraphExecDestroy(g.exec));  // they point at the old cache
+  graphs_.clear();
+  cache_shape_ = shape;
+
+  const size_t slots = size_t(shape.max_seqs) * size_t(shape.max_len);
+  const size_t kv_bytes = slots * shape.num_kv_heads * shape.head_dim * sizeof(__nv_bfloat16);
+  const size_t index_bytes = slots * shape.index_head_dim * sizeof(__nv_bfloat16);
+  size_t total = 0;
+  for (int l = 0; l < shape.num_layers; ++l) total += 2 * kv_bytes + (shape.sparse_layer[l] ? index_bytes : 0);
+  attention_workspace_bytes_ =
+      attention_workspace_bytes(reserve_.max_tokens, reserve_.num_q_heads, reserve_.num_index_heads,
+                                reserve_.head_dim, shape.max_len, reserve_.block_size, reserve_.topk_blocks);
+  size_t free_bytes = 0, total_bytes = 0;
+  CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  TPMOE_CHECK(total + attention_workspace_bytes_ <= free_bytes,
+              "KV cache for {} sequences x {} positions needs {:.2f} GiB but only {:.2f} GiB of GPU memory is free: "
+              "ask for fewer or shorter sequences",
+              shape.max_seqs, shape.max_len, double(total + attention_workspace_bytes_) / (1ull << 30),
+              double(free_bytes) / (1ull << 30));
+  cudaFree(attention_workspace_);
+  CUDA_CHECK(cudaMalloc(&attention_workspace_, std::max<size_t>(attention_workspace_bytes_, 1)));
+  for (int l = 0; l < shape.num_layers; ++l) {
+    KvCacheLayer c;
+    c.max_seqs = shape.max_seqs;
+    c.max_len = shape.max_len;
+    c.num_kv_heads = shape.num_kv_heads;
+    c.head_dim = shape.head_dim;
+    c.index_head_dim = shape.index_head_dim;
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, 2 * kv_bytes));
+    cache_allocations_.push_back(p);
+    c.k = static_cast<__nv_bfloat16*>(p);
+    c.v = c.k + kv_bytes / sizeof(__nv_bfloat16);
+    if (shape.sparse_layer[l]) {
+      CUDA_CHECK(cudaMalloc(&p, index_bytes));
+      cache_allocations_.push_back(p);
+      c.index_k = static_cast<__nv_bfloat16*>(p);
+    }
+    cache_.push_back(c);
+  }
+}
+
+void CudaOps::begin_step(const StepTokens& step) {
+  const int T = step.num_tokens(), R = int(step.logit_rows.size());
+  TPMOE_CHECK(T <= reserve_.max_tokens, "CUDA backend: a step of {} tokens exceeds the {} reserved", T,
+              reserve_.max_tokens);
+  for (int t = 0; t < T; ++t) {
+    TPMOE_CHECK(step.seq_slots[t] >= 0 && step.seq_slots[t] < cache_shape_.max_seqs,
+                "sequence slot {} outside the cache's {} slots", step.seq_slots[t], cache_shape_.max_seqs);
+    TPMOE_CHECK(step.positions[t] >= 0 && step.positions[t] < cache_shape_.max_len,
+                "position {} does not fit the KV cache ({} positions per sequence)", step.positions[t],
+                cache_shape_.max_len);
+  }
+  // The previous step's host reads have synchronised the stream, so the pinned buffer is free.
+  const int n = reserve_.max_tokens;
+  std::memcpy(step_pinned_, step.token_ids.data(), sizeof(int32_t) * T);
+  std::memcpy(step_pinned_ + n, step.positions.data(), sizeof(int32_t) * T);
+  std::memcpy(step_pinned_ + 2 * n, step.seq_slots.data(), sizeof(int32_t) * T);
+  std::memcpy(step_pinned_ + 3 * n, step.logit_rows.data(), sizeof(int32_t) * R);
+  CUDA_CHECK(cudaMemcpyAsync(step_device_, step_pinned_, 4 * sizeof(int32_t) * n, cudaMemcpyHostToDevice, stream_));
+  num_tokens_ = T;
+  num_logit_rows_ = R;
+  arena_used_ = 0;
+}
+
+Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
+  auto it = graphs_.find(key);
+  if (it == graphs_.end()) {
+    // Record the step once; allocation inside it is a deterministic bump, so replays reuse the
+    // same addresses, including the returned logits.
+    CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    Graph g;
+    try {
+      g.output = body();
+    } catch (...) {
+      cudaGraph_t broken;
+      cudaStreamEndCapture(stream_, &broken);
+      if (broken) cudaGraphDestroy(broken);
+      throw;
+    }
+    g.arena_used = arena_used_;
+    cudaGraph_t graph;
+    CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    it = graphs_.emplace(key, g).first;
+  }
+  CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
+  arena_used_ = it->second.arena_used;
+  return it->second.output;
+}
+
+void CudaOps::embed(Tensor table, Tensor out) {
+  expect(out, DType::kF32, "the residual stream");
+  launch_embed({bf16(table), token_ids_, out.as<float>(), num_tokens_, int(table.dim(1)), int(table.dim(0))}, stream_);
+}
+
+void CudaOps::rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) {
+  expect(x, DType::kF32, "rmsnorm input (the residual stream)");
+  launch_add_rmsnorm({nullptr, x.as<float>(), weight.as<float>(), bf16_mut(out), int(x.dim(0)), int(x.dim(1)), eps},
+                     stream_);
+}
+
+void CudaOps::add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) {
+  expect(partial, DType::kBF16, "add_rmsnorm partial");
+  expect(residual, DType::kF32, "the residual stream");
+  launch_add_rmsnorm({bf16(partial), residual.as<float>(), weight.as<float>(), bf16_mut(out), int(residual.dim(0)),
+                      int(residual.dim(1)), eps},
+                     stream_);
+}
+
+void CudaOps::add(Tensor x, Tensor y) { launch_add_bf16(bf16(x), bf16_mut(y), y.numel(), stream_); }
+
+void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
+  expect(x, DType::kBF16, "linear input");
+  expect(weight, DType::kBF16, "linear weight");
+  gemm_.linear(bf16(x), bf16(weight), out.data, out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)),
+               int(x.dim(1)), stream_);
+}
+
+void CudaOps::head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) {
+  launch_head_norm_rope({bf16_mut(x), weight.as<float>(), positions_, int(x.dim(0)), num_heads, p.head_dim,
+                         p.rotary_dim, p.theta, p.eps},
+                        stream_);
+}
+
+void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
+                        Tensor out) {
+  AttentionKernelParams a;
+  a.q = bf16(q);
+  a.k = bf16(k);
+  a.v = bf16(v);
+  a.index_q = index_q.empty() ? nullptr : bf16(index_q);
+  a.index_k = index_k.empty() ? nullptr : bf16(index_k);
+  a.cache = cache_[p.layer];
+  a.positions = positions_;
+  a.seq_slots = seq_slots_;
+  a.num_tokens = num_tokens_;
+  a.num_q_heads = p.num_q_heads;
+  a.num_kv_heads = p.num_kv_heads;
+  a.head_dim = p.head_dim;
+  a.scale = p.scale;
+  a.num_index_heads = p.num_index_heads;
+  a.index_head_dim = p.index_head_dim;
+  a.block_size = p.block_size;
+  a.topk_blocks = p.topk_blocks;
+  a.local_blocks = p.local_blocks;
+  a.out = bf16_mut(out);
+  a.workspace = attention_workspace_;
+  a.workspace_bytes = attention_workspace_bytes_;
+  launch_attention(a, stream_);
+}
+
+void CudaOps::swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) {
+  launch_swiglu({bf16(gate_up), bf16_mut(out), int(out.dim(0)), int(out.dim(1)), p.alpha, p.limit}, stream_);
+}
+
+void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) {
+  expect(router_logits, DType::kF32, "router logits");
+  launch_route({router_logits.as<float>(), bias.as<float>(), slot_ids.as<int32_t>(), slot_weights.as<float>(),
+                int(router_logits.dim(0)), p.num_experts, p.top_k, p.num_shared_slots, p.shared_weight},
+               stream_);
+}
+
+void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
+                          const SwigluParams& p, float scale, Tensor out) {
+  TPMOE_CHECK(out.data != x.data, "CUDA backend: the MoE output must not alias its input");
+  MoeKernelParams m;
+  m.x = bf16(x);
+  m.slot_ids = slot_ids.as<int32_t>();
+  m.slot_weights = slot_weights.as<float>();
+  m.gate_up = bf16(gate_up);
+  m.down = bf16(down);
+  m.out = bf16_mut(out);
+  m.num_tokens = int(x.dim(0));
+  m.slots = int(slot_ids.dim(1));
+  m.hidden = int(x.dim(1));
+  m.inter = int(down.dim(2));
+  m.num_rows = int(gate_up.dim(0));
+  m.alpha = p.alpha;
+  m.limit = p.limit;
+  m.scale = scale;
+  m.workspace = moe_workspace_;
+  m.workspace_bytes = reserve_.moe_workspace_bytes;
+  launch_moe(m, stream_);
+}
+
+void CudaOps::gather_logit_rows(Tensor x, Tensor out) {
+  launch_gather_rows(bf16(x), logit_rows_, num_logit_rows_, int(x.dim(1)), bf16_mut(out), stream_);
+}
+
+void CudaOps::argmax(Tensor logits, Tensor ids) {
+  launch_argmax(logits.as<float>(), int(logits.dim(0)), int(logits.dim(1)), ids.as<int32_t>(), stream_);
+}
+
+std::vector<float> CudaOps::to_host(Tensor t) {
+  std::vector<float> out(size_t(t.numel()));
+  if (t.dtype == DType::kF32) {
+    CUDA_CHECK(cudaMemcpyAsync(out.data(), t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return out;
+  }
+  expect(t, DType::kBF16, "to_host");
+  std::vector<uint16_t> raw(out.size());
+  CUDA_CHECK(cudaMemcpyAsync(raw.data(), t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (size_t i = 0; i < raw.size(); ++i) out[i] = bf16_to_f32(raw[i]);
+  return out;
+}
+
+std::vector<int32_t> CudaOps::ids_to_host(Tensor ids) {
+  std::vector<int32_t> out(size_t(ids.numel()));
+  CUDA_CHECK(cudaMemcpyAsync(out.data(), ids.data, ids.nbytes(), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return out;
+}
+
+}  // namespace tpmoe::cuda

@@ -1,0 +1,90 @@
+// The CUDA backend of the Ops interface: bf16 activations and weights, fp32 residual stream and
+// accumulation, one stream, every buffer reserved up front. A step allocates from a bump arena
+// (reset by begin_step, scoped per layer by mark/release) and launches only, so a decode step is
+// recorded once per batch-size bucket as a CUDA graph and replayed (run_step).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "backends/cuda/attention.cuh"
+#include "backends/cuda/gemm.h"
+#include "model/ops.h"
+
+namespace tpmoe::cuda {
+
+// What CudaOps reserves at construction. The engine derives it from the model (Model::activation_bytes,
+// moe_workspace_bytes) so a step can never run out of scratch.
+struct CudaReserve {
+  int max_tokens = 0;       // tokens per step
+  size_t arena_bytes = 0;   // activations of one step
+  size_t moe_workspace_bytes = 0;
+  // Attention workspace dimensions (the context length comes with init_cache).
+  int num_q_heads = 0, num_index_heads = 0, head_dim = 0, block_size = 1, topk_blocks = 1;
+};
+
+class CudaOps final : public Ops {
+ public:
+  explicit CudaOps(const CudaReserve& reserve);
+  ~CudaOps() override;
+
+  cudaStream_t stream() const { return stream_; }
+
+  Tensor alloc(int64_t rows, int64_t cols) override { return alloc_typed(rows, cols, DType::kBF16); }
+  Tensor alloc_typed(int64_t rows, int64_t cols, DType dtype) override;
+  size_t mark() override { return arena_used_; }
+  void release(size_t mark) override { arena_used_ = mark; }
+  Tensor run_step(int key, const std::function<Tensor()>& body) override;
+  bool records_steps() const override { return true; }
+  void init_cache(const CacheShape& shape) override;
+  void begin_step(const StepTokens& step) override;
+
+  void embed(Tensor table, Tensor out) override;
+  void rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) override;
+  void add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) override;
+  void add(Tensor x, Tensor y) override;
+  void linear(Tensor x, Tensor weight, Tensor out) override;
+  void head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) override;
+  void attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
+                 Tensor out) override;
+  void swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) override;
+  void route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) override;
+  void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down, const SwigluParams& p,
+                   float scale, Tensor out) override;
+  void gather_logit_rows(Tensor x, Tensor out) override;
+  void argmax(Tensor logits, Tensor ids) override;
+  std::vector<float> to_host(Tensor t) override;
+  std::vector<int32_t> ids_to_host(Tensor ids) override;
+
+ private:
+  CudaReserve reserve_;
+  cudaStream_t stream_ = nullptr;
+  Gemm gemm_;
+  std::byte* arena_ = nullptr;
+  size_t arena_used_ = 0;
+  void* moe_workspace_ = nullptr;
+  void* attention_workspace_ = nullptr;
+  size_t attention_workspace_bytes_ = 0;
+
+  // The current step's metadata on the device: token ids, positions, slots, logit rows (one copy).
+  int32_t* step_device_ = nullptr;
+  int32_t* step_pinned_ = nullptr;
+  int num_tokens_ = 0, num_logit_rows_ = 0;
+  int32_t *token_ids_ = nullptr, *positions_ = nullptr, *seq_slots_ = nullptr, *logit_rows_ = nullptr;
+
+  CacheShape cache_shape_;
+  std::vector<KvCacheLayer> cache_;
+  std::vector<void*> cache_allocations_;
+
+  struct Graph {
+    cudaGraphExec_t exec = nullptr;
+    Tensor output;
+    size_t arena_used = 0;  // scratch the recorded step holds; later allocations go after it
+  };
+  std::map<int, Graph> graphs_;
+};
+
+}  // namespace tpmoe::cuda

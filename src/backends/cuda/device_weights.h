@@ -1,0 +1,34 @@
+// One rank's weights in GPU memory: bf16 matrices, fp32 vectors, the same ModelWeights structure
+// the forward reads on the CPU. Either uploaded from host weights (a checkpoint) or, for presets,
+// generated straight on the device (a full-width MiniMax-M3 layer is ~15 GB: no file, no host copy).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model/fusion_plan.h"
+#include "model/parallel.h"
+#include "model/weights.h"
+
+namespace tpmoe::cuda {
+
+class DeviceWeights {
+ public:
+  // Copies `host` to the device, converting fp32 matrices to bf16.
+  static std::unique_ptr<DeviceWeights> upload(const ModelWeights& host);
+  // The preset weights random_weights(config, seed, BF16) would give, made on the device for tp 1.
+  static std::unique_ptr<DeviceWeights> random_preset(const ModelConfig& config, const FusionPlan& plan, uint64_t seed);
+  ~DeviceWeights();
+
+  const ModelWeights& weights() const { return weights_; }
+  size_t bytes() const { return weights_.bytes; }
+
+ private:
+  DeviceWeights() = default;
+  Tensor alloc_like(const Tensor& shape_of, DType dtype);
+  ModelWeights weights_;
+  std::vector<void*> allocations_;
+};
+
+}  // namespace tpmoe::cuda

@@ -1,0 +1,310 @@
+// Small memory-bound kernels around the layers (see elementwise.cuh for the contracts):
+//   embed        out[T,H] fp32 = table[ids[t], :] bf16 widened; a bad id writes a NaN row.
+//                Bytes: T*H*(2 + 4).
+//   add_bf16     y[n] += x[n] in fp32, one rounding to bf16. Bytes: 3*n*2.
+//   swiglu       gate_up[R, 2n] bf16 -> out[R, n] bf16, SwiGLU-OAI in fp32. Bytes: R*n*(4 + 2).
+//   gather_rows  out[r, :] = x[rows[r], :] bf16. Bytes: 2 x num_rows*cols*2.
+//   argmax       ids[r] = first argmax of logits[r, :] fp32, one block per row. Bytes: R*V*4.
+//   fill_random  out[i] = random_value(seed, key, offset + i, stddev) (src/model/presets.cpp),
+//                bitwise: the same splitmix64 hash, the same float ops with contraction forbidden
+//                (__fmul_rn/__fadd_rn), bf16 by round-to-nearest-even as f32_to_bf16.
+//                Bytes: n*2 (or n*4).
+// Vectorised paths move 16 bytes per thread (8 bf16 / 4 fp32) when widths allow it and the pointers
+// are 16-byte aligned; a scalar path covers every other width. Elementwise kernels are grid-stride
+// loops over int64 indices with the grid capped at kMaxBlocks, so the grid depends only on the
+// sizes (graph-capturable); no sync, no allocation.
+#include "backends/cuda/elementwise.cuh"
+
+#include <cstdint>
+
+#include "backends/cuda/cuda_check.h"
+
+namespace tpmoe::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 1 << 16;
+constexpr int kArgmaxThreads = 512;
+constexpr int kWarp = 32;
+
+void check_arg(bool ok, const char* what) {
+  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what, __FILE__, __LINE__);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+unsigned grid_for(int64_t work_items) {
+  const int64_t blocks = (work_items + kThreads - 1) / kThreads;
+  return unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __bfloat1622float2(h[j]);
+    f[2 * j] = t.x;
+    f[2 * j + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return raw;
+}
+
+__device__ __forceinline__ int64_t global_thread() { return int64_t(blockIdx.x) * blockDim.x + threadIdx.x; }
+__device__ __forceinline__ int64_t grid_stride() { return int64_t(gridDim.x) * blockDim.x; }
+
+// ---- embed ---------------------------------------------------------------------------------------
+
+// One item = 8 columns (kVec) or 1 column of one token's row.
+template <bool kVec>
+__global__ void embed_kernel(EmbedParams p) {
+  const int64_t per_row = kVec ? p.hidden / 8 : p.hidden;
+  const int64_t total = int64_t(p.num_tokens) * per_row;
+  for (int64_t idx = global_thread(); idx < total; idx += grid_stride()) {
+    const int64_t t = idx / per_row, c = idx % per_row;
+    const int32_t id = p.token_ids[t];
+    const bool ok = id >= 0 && id < p.vocab;
+    float* out = p.out + t * p.hidden;
+    if constexpr (kVec) {
+      float f[8];
+      if (ok) {
+        unpack_bf16x8(reinterpret_cast<const uint4*>(p.table + int64_t(id) * p.hidden)[c], f);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) f[j] = __int_as_float(0x7fffffff);
+      }
+      reinterpret_cast<float4*>(out)[2 * c] = make_float4(f[0], f[1], f[2], f[3]);
+      reinterpret_cast<float4*>(out)[2 * c + 1] = make_float4(f[4], f[5], f[6], f[7]);
+    } else {
+      out[c] = ok ? __bfloat162float(p.table[int64_t(id) * p.hidden + c]) : __int_as_float(0x7fffffff);
+    }
+  }
+}
+
+// ---- add_bf16 ------------------------------------------------------------------------------------
+
+template <bool kVec>
+__global__ void add_bf16_kernel(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n) {
+  if constexpr (kVec) {
+    for (int64_t c = global_thread(); c < n / 8; c += grid_stride()) {
+      float a[8], b[8];
+      unpack_bf16x8(reinterpret_cast<const uint4*>(x)[c], a);
+      unpack_bf16x8(reinterpret_cast<const uint4*>(y)[c], b);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) b[j] += a[j];
+      reinterpret_cast<uint4*>(y)[c] = pack_bf16x8(b);
+    }
+  } else {
+    for (int64_t i = global_thread(); i < n; i += grid_stride())
+      y[i] = __float2bfloat16_rn(__bfloat162float(y[i]) + __bfloat162float(x[i]));
+  }
+}
+
+// ---- swiglu --------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float swiglu_oai(float gate, float up, float alpha, float limit) {
+  gate = fminf(gate, limit);
+  up = fminf(fmaxf(up, -limit), limit);
+  const float sig = 1.f / (1.f + expf(-(alpha * gate)));
+  return (up + 1.f) * gate * sig;
+}
+
+template <bool kVec>
+__global__ void swiglu_kernel(SwigluKernelParams p) {
+  const int64_t n = p.n;
+  const int64_t per_row = kVec ? n / 8 : n;
+  const int64_t total = int64_t(p.rows) * per_row;
+  for (int64_t idx = global_thread(); idx < total; idx += grid_stride()) {
+    const int64_t r = idx / per_row, c = idx % per_row;
+    const __nv_bfloat16* gate = p.gate_up + r * 2 * n;
+    const __nv_bfloat16* up = gate + n;
+    __nv_bfloat16* out = p.out + r * n;
+    if constexpr (kVec) {
+      float g[8], u[8], o[8];
+      unpack_bf16x8(reinterpret_cast<const uint4*>(gate)[c], g);
+      unpack_bf16x8(reinterpret_cast<const uint4*>(up)[c], u);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) o[j] = swiglu_oai(g[j], u[j], p.alpha, p.limit);
+      reinterpret_cast<uint4*>(out)[c] = pack_bf16x8(o);
+    } else {
+      out[c] = __float2bfloat16_rn(
+          swiglu_oai(__bfloat162float(gate[c]), __bfloat162float(up[c]), p.alpha, p.limit));
+    }
+  }
+}
+
+// ---- gather_rows ---------------------------------------------------------------------------------
+
+template <bool kVec>
+__global__ void gather_rows_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ rows,
+                                   int num_rows, int cols, __nv_bfloat16* __restrict__ out) {
+  const int64_t per_row = kVec ? cols / 8 : cols;
+  const int64_t total = int64_t(num_rows) * per_row;
+  for (int64_t idx = global_thread(); idx < total; idx += grid_stride()) {
+    const int64_t r = idx / per_row, c = idx % per_row;
+    const int64_t src = rows[r];
+    if constexpr (kVec) {
+      reinterpret_cast<uint4*>(out + r * cols)[c] = reinterpret_cast<const uint4*>(x + src * cols)[c];
+    } else {
+      out[r * cols + c] = x[src * cols + c];
+    }
+  }
+}
+
+// ---- argmax --------------------------------------------------------------------------------------
+
+// (value, index) candidates; `better` is a strict order with no ties between distinct indices:
+// NaN above every number (as torch.argmax: the first NaN wins), then the larger value, then on equal
+// values the smaller index. The empty candidate is (-inf, INT32_MAX): any real element beats it,
+// so a row of -inf still yields index 0.
+struct Best {
+  float value;
+  int32_t index;
+};
+
+__device__ __forceinline__ bool better(float v, int32_t i, const Best& b) {
+  const bool vn = v != v, bn = b.value != b.value;
+  if (vn != bn) return vn;
+  if (!vn && v != b.value) return v > b.value;
+  return i < b.index;
+}
+
+__device__ __forceinline__ void consider(Best& b, float v, int32_t i) {
+  if (better(v, i, b)) b = {v, i};
+}
+
+template <bool kVec>
+__global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const float* __restrict__ logits, int vocab,
+                                                                 int32_t* __restrict__ ids) {
+  const float* row = logits + int64_t(blockIdx.x) * vocab;
+  Best best{-__int_as_float(0x7f800000), INT32_MAX};
+  if constexpr (kVec) {
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int c = threadIdx.x; c < vocab / 4; c += blockDim.x) {
+      const float4 v = row4[c];
+      consider(best, v.x, 4 * c);
+      consider(best, v.y, 4 * c + 1);
+      consider(best, v.z, 4 * c + 2);
+      consider(best, v.w, 4 * c + 3);
+    }
+  } else {
+    for (int i = threadIdx.x; i < vocab; i += blockDim.x) consider(best, row[i], i);
+  }
+  // after this loop: lane 0 of each warp holds the warp's best (the order is total, so the result
+  // does not depend on the reduction tree)
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) {
+    const float v = __shfl_xor_sync(0xffffffffu, best.value, off);
+    const int32_t i = __shfl_xor_sync(0xffffffffu, best.index, off);
+    consider(best, v, i);
+  }
+  __shared__ Best warp_best[kArgmaxThreads / kWarp];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  if (lane == 0) warp_best[warp] = best;
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < int(blockDim.x / kWarp) ? warp_best[lane] : Best{-__int_as_float(0x7f800000), INT32_MAX};
+#pragma unroll
+    for (int off = kWarp / 2; off > 0; off >>= 1) {
+      const float v = __shfl_xor_sync(0xffffffffu, best.value, off);
+      const int32_t i = __shfl_xor_sync(0xffffffffu, best.index, off);
+      consider(best, v, i);
+    }
+    if (lane == 0) ids[blockIdx.x] = best.index < vocab ? best.index : 0;
+  }
+}
+
+// ---- fill_random ---------------------------------------------------------------------------------
+
+__host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// `stream_key` = splitmix64(seed ^ key), hashed once on the host.
+template <bool kF32>
+__global__ void fill_random_kernel(void* out, int64_t n, uint64_t stream_key, uint64_t index_offset, float stddev) {
+  for (int64_t i = global_thread(); i < n; i += grid_stride()) {
+    const uint64_t bits = splitmix64(stream_key + index_offset + uint64_t(i));
+    // bits >> 40 < 2^24: the conversion and the scaling by 2^-24 are exact.
+    const float unit = __fmul_rn(float(uint32_t(bits >> 40)), 1.0f / float(1u << 24));
+    // (2.f * unit - 1.f) * 1.7320508f * stddev, evaluated left to right with no FMA, as the host does.
+    const float v = __fmul_rn(__fmul_rn(__fadd_rn(__fmul_rn(2.f, unit), -1.f), 1.7320508f), stddev);
+    if constexpr (kF32) static_cast<float*>(out)[i] = v;
+    else static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+  }
+}
+
+}  // namespace
+
+void launch_embed(const EmbedParams& p, cudaStream_t stream) {
+  if (p.num_tokens <= 0 || p.hidden <= 0) return;
+  check_arg(p.table && p.token_ids && p.out, "embed: table, token_ids and out must be set");
+  const bool vec = p.hidden % 8 == 0 && aligned16(p.table) && aligned16(p.out);
+  const int64_t items = int64_t(p.num_tokens) * (vec ? p.hidden / 8 : p.hidden);
+  if (vec) embed_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(p);
+  else embed_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  check_arg(x && y, "add_bf16: x and y must be set");
+  const bool vec = n % 8 == 0 && aligned16(x) && aligned16(y);
+  if (vec) add_bf16_kernel<true><<<grid_for(n / 8), kThreads, 0, stream>>>(x, y, n);
+  else add_bf16_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(x, y, n);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream) {
+  if (p.rows <= 0 || p.n <= 0) return;
+  check_arg(p.gate_up && p.out, "swiglu: gate_up and out must be set");
+  // Row starts are 16-byte aligned when n % 8 == 0 (gate_up rows are 4n bytes, out rows 2n).
+  const bool vec = p.n % 8 == 0 && aligned16(p.gate_up) && aligned16(p.out);
+  const int64_t items = int64_t(p.rows) * (vec ? p.n / 8 : p.n);
+  if (vec) swiglu_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(p);
+  else swiglu_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_rows, int cols, __nv_bfloat16* out,
+                        cudaStream_t stream) {
+  if (num_rows <= 0 || cols <= 0) return;
+  check_arg(x && rows && out, "gather_rows: x, rows and out must be set");
+  const bool vec = cols % 8 == 0 && aligned16(x) && aligned16(out);
+  const int64_t items = int64_t(num_rows) * (vec ? cols / 8 : cols);
+  if (vec) gather_rows_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(x, rows, num_rows, cols, out);
+  else gather_rows_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(x, rows, num_rows, cols, out);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, cudaStream_t stream) {
+  if (rows <= 0) return;
+  check_arg(vocab > 0, "argmax: vocab must be positive");
+  check_arg(logits && ids, "argmax: logits and ids must be set");
+  const bool vec = vocab % 4 == 0 && aligned16(logits);
+  if (vec) argmax_kernel<true><<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, ids);
+  else argmax_kernel<false><<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, ids);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_fill_random(void* out, bool out_f32, int64_t n, uint64_t seed, uint64_t key, uint64_t index_offset,
+                        float stddev, cudaStream_t stream) {
+  if (n <= 0) return;
+  check_arg(out != nullptr, "fill_random: out must be set");
+  const uint64_t stream_key = splitmix64(seed ^ key);
+  if (out_f32) fill_random_kernel<true><<<grid_for(n), kThreads, 0, stream>>>(out, n, stream_key, index_offset, stddev);
+  else fill_random_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(out, n, stream_key, index_offset, stddev);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace tpmoe::cuda

@@ -1,0 +1,227 @@
+// Gemma RMSNorm kernels (SPEC §1.2): y = v / sqrt(mean(v^2) + eps) * (1 + w), fp32 math.
+//
+// add_rmsnorm: one block per row. residual[T,H] (fp32) += partial[T,H] (bf16, optional), then
+//   out[T,H] (bf16) = norm(residual). Pass 1 adds, writes the residual back and sums squares in
+//   fp32 (warp shuffles, then one float per warp through shared memory); pass 2 re-reads the row it
+//   just wrote (each thread reads back only the elements it wrote itself, so no barrier is needed
+//   for the data; the row is hot in L1/L2) and writes bf16. 16-byte vectors (8 elements per step)
+//   when H % 8 == 0 and every pointer is 16-byte aligned, a scalar loop otherwise, so any H works.
+//   Bytes from DRAM: T*H*(2 read partial + 4 read + 4 write residual + 2 write out) + H*4 weight.
+// head_norm_rope: one warp per (token, head), in place on x[T, heads*hd] (bf16), hd <= 256.
+//   Per-head Gemma norm (weight [hd], fp32; sum of squares by warp shuffle), then NeoX RoPE on the
+//   first rotary_dim channels: lane l owns the rotary pairs (i, i + rd/2) for i = l + 32k and the
+//   pass-through channels rd + l + 32k, all in registers; every element belongs to exactly one lane,
+//   so reading and writing in place never races. inv_freq[i] = float(pow(double(theta), -2i/rd)) as
+//   the CPU oracle computes it, once per block into shared memory; cos/sin by sincosf (full-range accurate, not __sinf: angles reach
+//   pos * 1 rad, far outside the fast intrinsics' range). Bytes: 2 x T*heads*hd*2.
+// Layouts: row-major, rows contiguous. Grids depend only on the sizes (graph-capturable); no sync,
+// no allocation.
+#include "backends/cuda/norm.cuh"
+
+#include <cstdint>
+
+#include "backends/cuda/cuda_check.h"
+
+namespace tpmoe::cuda {
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kMaxNormThreads = 1024;
+constexpr int kMaxHeadDim = 256;
+constexpr int kRopeWarpsPerBlock = 8;
+constexpr int kMaxPairsPerLane = kMaxHeadDim / 2 / kWarp;  // rotary pairs (i, i + rd/2), i < rd/2 <= 128
+constexpr int kMaxPassPerLane = kMaxHeadDim / kWarp;       // pass-through channels rd..hd
+
+// A kernel cannot throw; the launcher rejects what the kernels do not support, as a tpmoe::Error.
+void check_arg(bool ok, const char* what) {
+  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what, __FILE__, __LINE__);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets the total.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_totals[kMaxNormThreads / kWarp];
+  __shared__ float total;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) warp_totals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < int(blockDim.x / kWarp) ? warp_totals[lane] : 0.f;
+    v = warp_sum(v);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  return total;
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __bfloat1622float2(h[j]);
+    f[2 * j] = t.x;
+    f[2 * j + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return raw;
+}
+
+// kVec: H % 8 == 0 and all pointers 16-byte aligned (then every row start is too: H*2 and H*4 bytes
+// are multiples of 16).
+template <bool kVec>
+__global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNormParams p) {
+  const int H = p.hidden;
+  const int64_t row = blockIdx.x;
+  float* res = p.residual + row * H;
+  const __nv_bfloat16* part = p.partial ? p.partial + row * H : nullptr;
+  __nv_bfloat16* out = p.out + row * H;
+
+  float ss = 0.f;
+  if constexpr (kVec) {
+    float4* res4 = reinterpret_cast<float4*>(res);
+    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+      float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
+      if (part) {
+        float d[8];
+        unpack_bf16x8(reinterpret_cast<const uint4*>(part)[c], d);
+        r0.x += d[0], r0.y += d[1], r0.z += d[2], r0.w += d[3];
+        r1.x += d[4], r1.y += d[5], r1.z += d[6], r1.w += d[7];
+        res4[2 * c] = r0;
+        res4[2 * c + 1] = r1;
+      }
+      ss += r0.x * r0.x + r0.y * r0.y + r0.z * r0.z + r0.w * r0.w;
+      ss += r1.x * r1.x + r1.y * r1.y + r1.z * r1.z + r1.w * r1.w;
+    }
+  } else {
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+      float v = res[i];
+      if (part) {
+        v += __bfloat162float(part[i]);
+        res[i] = v;
+      }
+      ss += v * v;
+    }
+  }
+  ss = block_sum(ss);
+  const float inv = 1.f / sqrtf(ss / float(H) + p.eps);
+
+  // Same stride as pass 1: each thread reads back exactly the residual elements it wrote.
+  if constexpr (kVec) {
+    const float4* res4 = reinterpret_cast<const float4*>(res);
+    const float4* w4 = reinterpret_cast<const float4*>(p.weight);
+    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+      const float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
+      const float4 w0 = __ldg(&w4[2 * c]), w1 = __ldg(&w4[2 * c + 1]);
+      const float v[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
+      const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      float y[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) y[j] = v[j] * inv * (1.f + w[j]);
+      reinterpret_cast<uint4*>(out)[c] = pack_bf16x8(y);
+    }
+  } else {
+    for (int i = threadIdx.x; i < H; i += blockDim.x)
+      out[i] = __float2bfloat16_rn(res[i] * inv * (1.f + __ldg(&p.weight[i])));
+  }
+}
+
+__global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kernel(HeadNormRopeParams p) {
+  const int hd = p.head_dim, rd = p.rotary_dim, half = rd / 2;
+  // inv_freq once per block (8 heads share it), in double as the CPU oracle computes it.
+  __shared__ float inv_freq[kMaxHeadDim / 2];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) inv_freq[i] = float(pow(double(p.theta), -2.0 * i / rd));
+  __syncthreads();
+
+  const int64_t head = int64_t(blockIdx.x) * kRopeWarpsPerBlock + threadIdx.x / kWarp;  // token * heads + h
+  if (head >= int64_t(p.num_tokens) * p.num_heads) return;  // the whole warp leaves together
+  const int lane = threadIdx.x % kWarp;
+  __nv_bfloat16* v = p.x + head * hd;  // [T, heads, hd] contiguous: head (t, h) starts at (t*heads + h)*hd
+
+  float a[kMaxPairsPerLane], b[kMaxPairsPerLane], c[kMaxPassPerLane];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kMaxPairsPerLane; ++k) {
+    const int i = lane + kWarp * k;
+    a[k] = b[k] = 0.f;
+    if (i < half) {
+      a[k] = __bfloat162float(v[i]);
+      b[k] = __bfloat162float(v[i + half]);
+      ss += a[k] * a[k] + b[k] * b[k];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxPassPerLane; ++k) {
+    const int j = rd + lane + kWarp * k;
+    c[k] = 0.f;
+    if (j < hd) {
+      c[k] = __bfloat162float(v[j]);
+      ss += c[k] * c[k];
+    }
+  }
+  ss = warp_sum(ss);
+  const float inv = 1.f / sqrtf(ss / float(hd) + p.eps);
+  const float pos = float(p.positions[head / p.num_heads]);
+
+#pragma unroll
+  for (int k = 0; k < kMaxPairsPerLane; ++k) {
+    const int i = lane + kWarp * k;
+    if (i < half) {
+      const float an = a[k] * inv * (1.f + __ldg(&p.weight[i]));
+      const float bn = b[k] * inv * (1.f + __ldg(&p.weight[i + half]));
+      float s, co;
+      sincosf(pos * inv_freq[i], &s, &co);
+      v[i] = __float2bfloat16_rn(an * co - bn * s);
+      v[i + half] = __float2bfloat16_rn(bn * co + an * s);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kMaxPassPerLane; ++k) {
+    const int j = rd + lane + kWarp * k;
+    if (j < hd) v[j] = __float2bfloat16_rn(c[k] * inv * (1.f + __ldg(&p.weight[j])));
+  }
+}
+
+}  // namespace
+
+void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream) {
+  if (p.rows <= 0 || p.hidden <= 0) return;
+  check_arg(p.residual && p.weight && p.out, "add_rmsnorm: residual, weight and out must be set");
+  const bool vec = p.hidden % 8 == 0 && aligned16(p.residual) && aligned16(p.weight) && aligned16(p.out) &&
+                   (p.partial == nullptr || aligned16(p.partial));
+  const int units = vec ? p.hidden / 8 : p.hidden;  // work items per row
+  int threads = (units + kWarp - 1) / kWarp * kWarp;
+  threads = threads < kMaxNormThreads ? threads : kMaxNormThreads;
+  if (vec) add_rmsnorm_kernel<true><<<p.rows, threads, 0, stream>>>(p);
+  else add_rmsnorm_kernel<false><<<p.rows, threads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream) {
+  if (p.num_tokens <= 0 || p.num_heads <= 0) return;
+  check_arg(p.head_dim > 0 && p.head_dim <= kMaxHeadDim, "head_norm_rope: head_dim must be in [1, 256]");
+  check_arg(p.rotary_dim >= 0 && p.rotary_dim <= p.head_dim && p.rotary_dim % 2 == 0,
+            "head_norm_rope: rotary_dim must be even and <= head_dim");
+  check_arg(p.x && p.weight && p.positions, "head_norm_rope: x, weight and positions must be set");
+  const int64_t warps = int64_t(p.num_tokens) * p.num_heads;
+  const int64_t blocks = (warps + kRopeWarpsPerBlock - 1) / kRopeWarpsPerBlock;
+  check_arg(blocks <= 0x7fffffff, "head_norm_rope: too many (token, head) pairs for one launch");
+  head_norm_rope_kernel<<<unsigned(blocks), kRopeWarpsPerBlock * kWarp, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace tpmoe::cuda

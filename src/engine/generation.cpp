@@ -1,0 +1,128 @@
+#include "engine/generation.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+
+namespace tpmoe {
+
+namespace {
+
+int max_prompt_length(const GenerateRequest& req) {
+  size_t n = 0;
+  for (const auto& p : req.prompts) n = std::max(n, p.size());
+  return int(n);
+}
+
+std::vector<int32_t> greedy(Ops& ops, Tensor logits) {
+  Tensor ids = ops.alloc_typed(logits.dim(0), 1, DType::kI32);
+  ops.argmax(logits, ids);
+  return ops.ids_to_host(ids);
+}
+
+}  // namespace
+
+void validate_request(const GenerateRequest& req, int vocab_size) {
+  const int B = int(req.prompts.size()), G = req.max_new_tokens;
+  TPMOE_CHECK(B > 0, "generate: no prompts");
+  TPMOE_CHECK(G >= 1, "generate: max_new_tokens must be at least 1, got {}", G);
+  for (int b = 0; b < B; ++b) {
+    TPMOE_CHECK(!req.prompts[b].empty(), "generate: prompt {} is empty", b);
+    for (int32_t id : req.prompts[b])
+      TPMOE_CHECK(id >= 0 && id < vocab_size, "generate: prompt {} has token id {}, outside the vocabulary (size {})",
+                  b, id, vocab_size);
+  }
+  if (req.forced_tokens.empty()) return;
+  TPMOE_CHECK(int(req.forced_tokens.size()) == B, "teacher forcing: {} rows of forced tokens for {} prompts",
+              req.forced_tokens.size(), B);
+  for (const auto& f : req.forced_tokens) {
+    TPMOE_CHECK(int(f.size()) >= G - 1, "teacher forcing: {} forced tokens, need {} for {} new tokens", f.size(), G - 1,
+                G);
+    for (int32_t id : f)
+      TPMOE_CHECK(id >= 0 && id < vocab_size, "teacher forcing: token id {} outside the vocabulary (size {})", id,
+                  vocab_size);
+  }
+}
+
+int decode_bucket(int batch) {
+  int bucket = 1;
+  while (bucket < batch) bucket *= 2;
+  return bucket;
+}
+
+CacheShape request_cache_shape(const Model& model, const GenerateRequest& req, bool padded) {
+  const int B = int(req.prompts.size());
+  return model.cache_shape(padded ? decode_bucket(B) : B, max_prompt_length(req) + req.max_new_tokens);
+}
+
+void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req, GenerateResult* out) {
+  const int B = int(req.prompts.size()), G = req.max_new_tokens;
+  // Prefill: every prompt in one step. Logits only where they are wanted: the last prompt token of
+  // each sequence, or every position when prefill logits are asked for.
+  StepTokens step;
+  std::vector<int> last_row(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) {
+    const auto& p = req.prompts[b];
+    for (int i = 0; i < int(p.size()); ++i) {
+      if (req.return_prefill_logits || i + 1 == int(p.size())) step.logit_rows.push_back(step.num_tokens());
+      step.token_ids.push_back(p[i]);
+      step.positions.push_back(i);
+      step.seq_slots.push_back(b);
+    }
+    last_row[b] = int(step.logit_rows.size()) - 1;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  ops.begin_step(step);
+  Tensor logits = model.forward(step);
+  std::vector<int32_t> next = greedy(ops, logits);  // one id per logit row
+  std::vector<std::vector<int32_t>> generated(static_cast<size_t>(B));
+  for (int b = 0; b < B; ++b) generated[b].push_back(next[last_row[b]]);
+  if (out && (req.return_step_logits || req.return_prefill_logits)) {
+    const std::vector<float> host = ops.to_host(logits);
+    std::vector<float> step_logits(size_t(B) * V);
+    for (int b = 0; b < B; ++b) std::copy_n(&host[size_t(last_row[b]) * V], V, &step_logits[size_t(b) * V]);
+    if (req.return_step_logits) out->step_logits.push_back(std::move(step_logits));
+    if (req.return_prefill_logits) {
+      size_t row = 0;
+      for (int b = 0; b < B; ++b) {
+        const size_t n = req.prompts[b].size() * size_t(V);
+        out->prefill_logits.emplace_back(host.begin() + row * V, host.begin() + row * V + n);
+        row += req.prompts[b].size();
+      }
+    }
+  }
+  const auto t1 = std::chrono::steady_clock::now();
+
+  // Decode: one token per sequence per step. A recording backend gets the batch padded to its
+  // bucket; the padding rows decode token 0 at position 0 in slots of their own and are ignored.
+  const int rows = ops.records_steps() ? decode_bucket(B) : B;
+  for (int i = 1; i < G; ++i) {
+    StepTokens d;
+    for (int b = 0; b < rows; ++b) {
+      const bool real = b < B;
+      d.token_ids.push_back(!real ? 0 : req.forced_tokens.empty() ? generated[b][i - 1] : req.forced_tokens[b][i - 1]);
+      d.positions.push_back(real ? int(req.prompts[b].size()) + i - 1 : 0);
+      d.seq_slots.push_back(b);
+      d.logit_rows.push_back(b);
+    }
+    ops.begin_step(d);
+    logits = ops.run_step(rows, [&] { return model.forward(d); });
+    next = greedy(ops, logits);
+    for (int b = 0; b < B; ++b) generated[b].push_back(next[b]);
+    if (out && req.return_step_logits) {
+      std::vector<float> host = ops.to_host(logits);
+      host.resize(size_t(B) * V);
+      out->step_logits.push_back(std::move(host));
+    }
+  }
+  const auto t2 = std::chrono::steady_clock::now();
+  if (out) {
+    out->vocab_size = V;
+    out->generated = std::move(generated);
+    out->prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
+    out->decode_seconds = std::chrono::duration<double>(t2 - t1).count();
+  }
+}
+
+}  // namespace tpmoe

@@ -1,0 +1,236 @@
+// CUDA norm kernels (src/backends/cuda/norm.cu) against the CPU oracle: add_rmsnorm against
+// cpu::gemma_rmsnorm_row, head_norm_rope against cpu::CpuOps::head_norm_rope, on random inputs at
+// awkward shapes (rows 1/3/19/64, widths that are not multiples of the vector width, odd rotary
+// halves, positions up to ~5000). Outputs start poisoned with NaN (DeviceBuffer), so an element a
+// kernel forgot to write fails relative_l2.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "backends/cpu/cpu_ops.h"
+#include "backends/cuda/norm.cuh"
+#include "core/error.h"
+#include "cuda_test_util.h"
+#include "test_util.h"
+
+namespace tpmoe {
+namespace {
+
+using test::DeviceBuffer;
+using test::from_bf16;
+using test::random_floats;
+using test::relative_l2;
+using test::round_bf16;
+using test::to_bf16;
+
+constexpr float kEps = 1e-6f;
+
+struct NormCase {
+  int rows;
+  int hidden;
+  bool with_partial;
+};
+
+// `offset` elements into every buffer: a non-zero offset misaligns the pointers and forces the
+// scalar path even when hidden % 8 == 0.
+void check_add_rmsnorm(const NormCase& c, int offset, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "rows=" << c.rows << " hidden=" << c.hidden << " partial=" << c.with_partial
+                                  << " offset=" << offset);
+  const size_t n = size_t(c.rows) * c.hidden;
+  // The residual stream is fp32 on the device too: the oracle gets exactly these values.
+  const std::vector<float> residual = random_floats(n, 1.0f, seed);
+  // The partial sum arrives in bf16; the oracle gets the bf16-rounded values the kernel reads.
+  const std::vector<float> partial = round_bf16(random_floats(n, 0.5f, seed + 1));
+  const std::vector<float> weight = random_floats(size_t(c.hidden), 0.1f, seed + 2);
+
+  std::vector<float> residual_dev_init(n + offset, 0.f), weight_dev_init(size_t(c.hidden) + offset, 0.f);
+  std::copy(residual.begin(), residual.end(), residual_dev_init.begin() + offset);
+  std::copy(weight.begin(), weight.end(), weight_dev_init.begin() + offset);
+  std::vector<float> partial_dev_init(n + offset, 0.f);
+  std::copy(partial.begin(), partial.end(), partial_dev_init.begin() + offset);
+
+  DeviceBuffer<float> d_residual(residual_dev_init);
+  DeviceBuffer<float> d_weight(weight_dev_init);
+  DeviceBuffer<__nv_bfloat16> d_partial(to_bf16(partial_dev_init));
+  DeviceBuffer<__nv_bfloat16> d_out(n + offset);  // poisoned
+
+  cuda::AddRmsNormParams p;
+  p.partial = c.with_partial ? d_partial.get() + offset : nullptr;
+  p.residual = d_residual.get() + offset;
+  p.weight = d_weight.get() + offset;
+  p.out = d_out.get() + offset;
+  p.rows = c.rows;
+  p.hidden = c.hidden;
+  p.eps = kEps;
+  cuda::launch_add_rmsnorm(p, nullptr);
+
+  // Oracle: residual' = residual + bf16-rounded partial, one fp32 add per element exactly as the
+  // kernel does it, so the fp32 residual must match to kTolF32 (in fact bit for bit); then the
+  // Gemma norm of each row of residual' in the CPU's own (double-accumulated) arithmetic.
+  std::vector<float> ref_residual = residual;
+  if (c.with_partial)
+    for (size_t i = 0; i < n; ++i) ref_residual[i] += partial[i];
+  std::vector<float> ref_out(n);
+  for (int r = 0; r < c.rows; ++r)
+    cpu::gemma_rmsnorm_row(&ref_residual[size_t(r) * c.hidden], weight.data(), c.hidden, kEps,
+                           &ref_out[size_t(r) * c.hidden]);
+
+  const std::vector<float> got_residual_all = d_residual.download();
+  const std::vector<float> got_residual(got_residual_all.begin() + offset, got_residual_all.end());
+  const std::vector<float> got_out_all = from_bf16(d_out.download());
+  const std::vector<float> got_out(got_out_all.begin() + offset, got_out_all.end());
+  EXPECT_LE(relative_l2(got_residual, ref_residual), test::kTolF32);
+  EXPECT_LE(relative_l2(got_out, ref_out), test::kTolBf16);
+}
+
+TEST(CudaNorm, AddRmsNormMatchesCpu) {
+  TPMOE_REQUIRE_GPU();
+  uint64_t seed = 100;
+  for (int rows : {1, 3, 19, 64})
+    for (int hidden : {128, 6144, 100, 1000, 8})
+      for (bool with_partial : {true, false}) check_add_rmsnorm({rows, hidden, with_partial}, 0, seed++);
+}
+
+TEST(CudaNorm, AddRmsNormScalarPathOnUnalignedPointers) {
+  TPMOE_REQUIRE_GPU();
+  uint64_t seed = 200;
+  for (int rows : {1, 19})
+    for (int hidden : {128, 6144})
+      for (bool with_partial : {true, false}) check_add_rmsnorm({rows, hidden, with_partial}, 1, seed++);
+}
+
+TEST(CudaNorm, AddRmsNormLargeHidden) {
+  TPMOE_REQUIRE_GPU();
+  // Wider than one 1024-thread block covers in a single vector step: threads loop.
+  check_add_rmsnorm({3, 12288, true}, 0, 300);
+  check_add_rmsnorm({3, 12290, true}, 0, 301);  // the scalar path, 12 elements per thread
+}
+
+TEST(CudaNorm, ZeroRowsLaunchNothing) {
+  TPMOE_REQUIRE_GPU();
+  cuda::AddRmsNormParams p;  // every pointer null: nothing may be touched
+  p.rows = 0;
+  p.hidden = 128;
+  EXPECT_NO_THROW(cuda::launch_add_rmsnorm(p, nullptr));
+  cuda::HeadNormRopeParams q;
+  q.num_tokens = 0;
+  q.num_heads = 4;
+  q.head_dim = 128;
+  q.rotary_dim = 64;
+  EXPECT_NO_THROW(cuda::launch_head_norm_rope(q, nullptr));
+  CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+struct RopeCase {
+  int tokens;
+  int heads;
+  int head_dim;
+  int rotary_dim;
+  float theta;
+};
+
+void check_head_norm_rope(const RopeCase& c, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "tokens=" << c.tokens << " heads=" << c.heads << " head_dim=" << c.head_dim
+                                  << " rotary_dim=" << c.rotary_dim << " theta=" << c.theta);
+  const size_t n = size_t(c.tokens) * c.heads * c.head_dim;
+  const std::vector<float> x = round_bf16(random_floats(n, 1.0f, seed));
+  const std::vector<float> weight = random_floats(size_t(c.head_dim), 0.1f, seed + 1);
+  // Positions up to ~5000 (angles up to 5000 rad at i = 0), including 0 and the largest.
+  constexpr int kMaxPos = 5000;
+  std::mt19937 rng(uint32_t(seed + 2));
+  std::uniform_int_distribution<int32_t> pos_dist(0, kMaxPos - 1);
+  std::vector<int32_t> positions(size_t(c.tokens));
+  for (auto& pos : positions) pos = pos_dist(rng);
+  positions[0] = c.tokens > 1 ? 0 : kMaxPos - 1;
+  if (c.tokens > 2) positions[size_t(c.tokens) - 1] = kMaxPos - 1;
+
+  DeviceBuffer<__nv_bfloat16> d_x(to_bf16(x));
+  DeviceBuffer<float> d_weight(weight);
+  DeviceBuffer<int32_t> d_pos(positions);
+  cuda::HeadNormRopeParams p;
+  p.x = d_x.get();
+  p.weight = d_weight.get();
+  p.positions = d_pos.get();
+  p.num_tokens = c.tokens;
+  p.num_heads = c.heads;
+  p.head_dim = c.head_dim;
+  p.rotary_dim = c.rotary_dim;
+  p.theta = c.theta;
+  p.eps = kEps;
+  cuda::launch_head_norm_rope(p, nullptr);
+
+  // Oracle: the CPU op on the same bf16-rounded input (fp32 throughout), at the same positions.
+  cpu::CpuOps ops;
+  CacheShape shape;
+  shape.num_layers = 0;  // head_norm_rope touches no cache; only the step's positions are needed
+  shape.max_seqs = 1;
+  shape.max_len = kMaxPos;
+  ops.init_cache(shape);
+  StepTokens step;
+  step.token_ids.assign(size_t(c.tokens), 0);
+  step.positions = positions;
+  step.seq_slots.assign(size_t(c.tokens), 0);
+  ops.begin_step(step);
+  std::vector<float> ref = x;
+  std::vector<float> w = weight;
+  RopeParams rp;
+  rp.head_dim = c.head_dim;
+  rp.rotary_dim = c.rotary_dim;
+  rp.theta = c.theta;
+  rp.eps = kEps;
+  ops.head_norm_rope(Tensor::make(ref.data(), DType::kF32, c.tokens, int64_t(c.heads) * c.head_dim), c.heads,
+                     Tensor::make(w.data(), DType::kF32, c.head_dim), rp);
+
+  const std::vector<float> got = from_bf16(d_x.download());
+  EXPECT_LE(relative_l2(got, ref), test::kTolBf16);
+  // Per head too: a head with wrong rotation would hide in the global norm of a big case.
+  const int hd = c.head_dim;
+  for (size_t h = 0; h < n / size_t(hd); ++h) {
+    const std::span<const float> g(&got[h * hd], size_t(hd)), r(&ref[h * hd], size_t(hd));
+    ASSERT_LE(relative_l2(g, r), 2 * test::kTolBf16) << "head row " << h;  // one head: fewer values average out
+  }
+}
+
+TEST(CudaNorm, HeadNormRopeMatchesCpu) {
+  TPMOE_REQUIRE_GPU();
+  const RopeCase cases[] = {
+      {1, 8, 128, 64, 5e6f},     // m3 decode, one token
+      {3, 4, 32, 16, 5e6f},      // tiny preset
+      {19, 5, 128, 64, 5e6f},    //
+      {64, 2, 32, 16, 5e6f},     //
+      {64, 3, 128, 64, 1e4f},    // a smaller theta: faster-turning high channels
+      {7, 3, 64, 18, 1e4f},      // rotary half 9: pairs not a multiple of anything
+      {3, 2, 256, 256, 1e4f},    // largest head, fully rotated
+      {5, 2, 256, 0, 1e4f},      // no rotation: norm only
+      {4, 3, 100, 36, 5e6f},     // head_dim not a multiple of 32
+  };
+  uint64_t seed = 1000;
+  for (const auto& c : cases) check_head_norm_rope(c, seed += 10);
+}
+
+TEST(CudaNorm, HeadNormRopeRejectsUnsupportedShapes) {
+  TPMOE_REQUIRE_GPU();
+  DeviceBuffer<__nv_bfloat16> d_x(size_t(512));
+  DeviceBuffer<float> d_w(size_t(512));
+  DeviceBuffer<int32_t> d_pos(std::vector<int32_t>{0});
+  cuda::HeadNormRopeParams p;
+  p.x = d_x.get();
+  p.weight = d_w.get();
+  p.positions = d_pos.get();
+  p.num_tokens = 1;
+  p.num_heads = 1;
+  p.head_dim = 512;  // above the 256 the kernel holds in registers
+  p.rotary_dim = 64;
+  p.theta = 1e4f;
+  EXPECT_THROW(cuda::launch_head_norm_rope(p, nullptr), Error);
+  p.head_dim = 128;
+  p.rotary_dim = 63;  // odd
+  EXPECT_THROW(cuda::launch_head_norm_rope(p, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace tpmoe
