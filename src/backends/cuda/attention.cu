@@ -36,6 +36,8 @@
 // FLOPs for decode: 4*T*L*nq*hd (QK and PV); the indexer adds 2*T*L*nih*ihd.
 #include "backends/cuda/attention.cuh"
 
+#include "backends/cuda/kernel_utils.cuh"
+
 #include <cstdint>
 #include <string>
 
@@ -45,7 +47,6 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kTile = 32;              // keys per attention tile: one per lane
 constexpr int kMaxWarps = 16;          // query heads one attention block serves
 constexpr int kMaxTopk = 256;          // kept blocks per (token, index head) the kernels support
@@ -63,12 +64,6 @@ constexpr uint32_t kKeyNegInf = 0x007FFFFFu;  // key(-inf)
 constexpr uint32_t kKeyPosInf = 0xFF800000u;  // key(+inf)
 constexpr uint32_t kKeyRemoved = 0u;          // below every float's key
 
-// A kernel cannot throw; the launcher rejects what the kernels do not support, as a tpmoe::Error.
-void check_arg(bool ok, const std::string& what) {
-  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what.c_str(), __FILE__, __LINE__);
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -103,17 +98,6 @@ size_t partial_bytes(int num_tokens, int num_q_heads, int head_dim, int max_len)
 // ---------------------------------------------------------------------------------------------
 // Device helpers
 
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 __device__ __forceinline__ uint32_t order_key(float f) {
   uint32_t u = __float_as_uint(f);

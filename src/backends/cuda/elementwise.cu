@@ -15,6 +15,8 @@
 // sizes (graph-capturable); no sync, no allocation.
 #include "backends/cuda/elementwise.cuh"
 
+#include "backends/cuda/kernel_utils.cuh"
+
 #include <cstdint>
 
 #include "backends/cuda/cuda_check.h"
@@ -26,36 +28,13 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 16;
 constexpr int kArgmaxThreads = 512;
-constexpr int kWarp = 32;
 
-void check_arg(bool ok, const char* what) {
-  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what, __FILE__, __LINE__);
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 unsigned grid_for(int64_t work_items) {
   const int64_t blocks = (work_items + kThreads - 1) / kThreads;
   return unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks);
 }
 
-__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 t = __bfloat1622float2(h[j]);
-    f[2 * j] = t.x;
-    f[2 * j + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
-  uint4 raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
-  return raw;
-}
 
 __device__ __forceinline__ int64_t global_thread() { return int64_t(blockIdx.x) * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ int64_t grid_stride() { return int64_t(gridDim.x) * blockDim.x; }
@@ -109,12 +88,6 @@ __global__ void add_bf16_kernel(const __nv_bfloat16* x, __nv_bfloat16* y, int64_
 
 // ---- swiglu --------------------------------------------------------------------------------------
 
-__device__ __forceinline__ float swiglu_oai(float gate, float up, float alpha, float limit) {
-  gate = fminf(gate, limit);
-  up = fminf(fmaxf(up, -limit), limit);
-  const float sig = 1.f / (1.f + expf(-(alpha * gate)));
-  return (up + 1.f) * gate * sig;
-}
 
 template <bool kVec>
 __global__ void swiglu_kernel(SwigluKernelParams p) {

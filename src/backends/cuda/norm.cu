@@ -18,6 +18,8 @@
 // no allocation.
 #include "backends/cuda/norm.cuh"
 
+#include "backends/cuda/kernel_utils.cuh"
+
 #include <cstdint>
 
 #include "backends/cuda/cuda_check.h"
@@ -26,25 +28,12 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kMaxNormThreads = 1024;
 constexpr int kMaxHeadDim = 256;
 constexpr int kRopeWarpsPerBlock = 8;
 constexpr int kMaxPairsPerLane = kMaxHeadDim / 2 / kWarp;  // rotary pairs (i, i + rd/2), i < rd/2 <= 128
 constexpr int kMaxPassPerLane = kMaxHeadDim / kWarp;       // pass-through channels rd..hd
 
-// A kernel cannot throw; the launcher rejects what the kernels do not support, as a tpmoe::Error.
-void check_arg(bool ok, const char* what) {
-  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what, __FILE__, __LINE__);
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
 
 // Sum over the block (blockDim.x a multiple of 32); every thread gets the total.
 __device__ __forceinline__ float block_sum(float v) {
@@ -63,23 +52,6 @@ __device__ __forceinline__ float block_sum(float v) {
   return total;
 }
 
-__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&f)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 t = __bfloat1622float2(h[j]);
-    f[2 * j] = t.x;
-    f[2 * j + 1] = t.y;
-  }
-}
-
-__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
-  uint4 raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
-  return raw;
-}
 
 // kVec: H % 8 == 0 and all pointers 16-byte aligned (then every row start is too: H*2 and H*4 bytes
 // are multiples of 16).

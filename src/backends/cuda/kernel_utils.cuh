@@ -1,0 +1,61 @@
+// Helpers every kernel family shares: launch-argument checks, alignment, warp reductions and the
+// packing of eight bf16 values into one 16-byte access. Device code only plus two host helpers.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "backends/cuda/cuda_check.h"
+
+namespace tpmoe::cuda {
+
+constexpr int kWarp = 32;
+
+// A kernel cannot throw: its launcher rejects what the kernel does not support, as a tpmoe::Error.
+inline void check_arg(bool ok, const std::string& what) {
+  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what.c_str(), __FILE__, __LINE__);
+}
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __bfloat1622float2(h[j]);
+    f[2 * j] = t.x;
+    f[2 * j + 1] = t.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return raw;
+}
+
+// SwiGLU-OAI (SPEC §1.6) of one (gate, up) pair, fp32; expf, not __expf, to track the CPU oracle.
+__device__ __forceinline__ float swiglu_oai(float gate, float up, float alpha, float limit) {
+  gate = fminf(gate, limit);
+  up = fminf(fmaxf(up, -limit), limit);
+  return (up + 1.f) * gate * (1.f / (1.f + expf(-(alpha * gate))));
+}
+
+}  // namespace tpmoe::cuda
