@@ -1,5 +1,7 @@
 #include "backends/cuda/cuda_ops.h"
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "backends/cuda/cuda_check.h"
@@ -21,7 +23,37 @@ void expect(const Tensor& t, DType dtype, const char* what) {
 }
 }  // namespace
 
+CudaOps::OpTimer::OpTimer(CudaOps& ops, std::string name) {
+  if (!ops.profile_ops_) return;
+  ops_ = &ops;
+  name_ = std::move(name);
+  CUDA_CHECK(cudaEventCreate(&start_));
+  CUDA_CHECK(cudaEventRecord(start_, ops.stream_));
+}
+
+CudaOps::OpTimer::~OpTimer() {
+  if (!ops_) return;
+  cudaEvent_t stop;
+  if (cudaEventCreate(&stop) != cudaSuccess || cudaEventRecord(stop, ops_->stream_) != cudaSuccess) return;
+  ops_->pending_times_.push_back({std::move(name_), start_, stop});
+}
+
+void CudaOps::collect_op_times() {
+  for (auto& p : pending_times_) {
+    float ms = 0;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, p.start, p.stop));
+    auto& [total, calls] = op_times_[p.name];
+    total += ms;
+    ++calls;
+    cudaEventDestroy(p.start);
+    cudaEventDestroy(p.stop);
+  }
+  pending_times_.clear();
+}
+
 CudaOps::CudaOps(const CudaReserve& reserve) : reserve_(reserve) {
+  const char* profile = std::getenv("TPMOE_PROFILE_OPS");
+  profile_ops_ = profile && std::string(profile) == "1";
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), reserve.arena_bytes));
   if (reserve.moe_workspace_bytes) CUDA_CHECK(cudaMalloc(&moe_workspace_, reserve.moe_workspace_bytes));
@@ -37,6 +69,18 @@ CudaOps::CudaOps(const CudaReserve& reserve) : reserve_(reserve) {
 
 CudaOps::~CudaOps() {
   cudaStreamSynchronize(stream_);
+  if (profile_ops_) {
+    collect_op_times();
+    double all = 0;
+    for (const auto& [name, t] : op_times_) all += t.first;
+    std::vector<std::pair<double, std::string>> rows;
+    for (const auto& [name, t] : op_times_)
+      rows.push_back({t.first, fmt::format("{:>10.3f} ms {:>5.1f}% {:>7} calls  {}", t.first, 100 * t.first / all,
+                                           t.second, name)});
+    std::sort(rows.rbegin(), rows.rend());
+    fmt::print(stderr, "GPU time per op (TPMOE_PROFILE_OPS=1, steps run eagerly):\n");
+    for (const auto& r : rows) fmt::print(stderr, "{}\n", r.second);
+  }
   for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g.exec);
   for (void* p : cache_allocations_) cudaFree(p);
   cudaFree(attention_workspace_);
@@ -127,6 +171,7 @@ void CudaOps::begin_step(const StepTokens& step) {
 }
 
 Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
+  if (profile_ops_) return body();  // per-op events need eager launches
   auto it = graphs_.find(key);
   if (it == graphs_.end()) {
     // Record the step once; allocation inside it is a deterministic bump, so replays reuse the
@@ -154,17 +199,20 @@ Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
 }
 
 void CudaOps::embed(Tensor table, Tensor out) {
+  const auto timer = timed("embed");
   expect(out, DType::kF32, "the residual stream");
   launch_embed({bf16(table), token_ids_, out.as<float>(), num_tokens_, int(table.dim(1)), int(table.dim(0))}, stream_);
 }
 
 void CudaOps::rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) {
+  const auto timer = timed("rmsnorm");
   expect(x, DType::kF32, "rmsnorm input (the residual stream)");
   launch_add_rmsnorm({nullptr, x.as<float>(), weight.as<float>(), bf16_mut(out), int(x.dim(0)), int(x.dim(1)), eps},
                      stream_);
 }
 
 void CudaOps::add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) {
+  const auto timer = timed("add_rmsnorm");
   expect(partial, DType::kBF16, "add_rmsnorm partial");
   expect(residual, DType::kF32, "the residual stream");
   launch_add_rmsnorm({bf16(partial), residual.as<float>(), weight.as<float>(), bf16_mut(out), int(residual.dim(0)),
@@ -172,9 +220,13 @@ void CudaOps::add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float 
                      stream_);
 }
 
-void CudaOps::add(Tensor x, Tensor y) { launch_add_bf16(bf16(x), bf16_mut(y), y.numel(), stream_); }
+void CudaOps::add(Tensor x, Tensor y) {
+  const auto timer = timed("add");
+  launch_add_bf16(bf16(x), bf16_mut(y), y.numel(), stream_);
+}
 
 void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
+  const auto timer = timed(fmt::format("linear {}x{} -> {}", weight.dim(0), weight.dim(1), dtype_name(out.dtype)));
   expect(x, DType::kBF16, "linear input");
   expect(weight, DType::kBF16, "linear weight");
   gemm_.linear(bf16(x), bf16(weight), out.data, out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)),
@@ -182,6 +234,7 @@ void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
 }
 
 void CudaOps::head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) {
+  const auto timer = timed("head_norm_rope");
   launch_head_norm_rope({bf16_mut(x), weight.as<float>(), positions_, int(x.dim(0)), num_heads, p.head_dim,
                          p.rotary_dim, p.theta, p.eps},
                         stream_);
@@ -189,6 +242,7 @@ void CudaOps::head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeP
 
 void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
                         Tensor out) {
+  const auto timer = timed(index_q.empty() ? "attention (full)" : "attention (sparse)");
   AttentionKernelParams a;
   a.q = bf16(q);
   a.k = bf16(k);
@@ -215,10 +269,12 @@ void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor ind
 }
 
 void CudaOps::swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) {
+  const auto timer = timed("swiglu");
   launch_swiglu({bf16(gate_up), bf16_mut(out), int(out.dim(0)), int(out.dim(1)), p.alpha, p.limit}, stream_);
 }
 
 void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) {
+  const auto timer = timed("route");
   expect(router_logits, DType::kF32, "router logits");
   launch_route({router_logits.as<float>(), bias.as<float>(), slot_ids.as<int32_t>(), slot_weights.as<float>(),
                 int(router_logits.dim(0)), p.num_experts, p.top_k, p.num_shared_slots, p.shared_weight},
@@ -227,6 +283,7 @@ void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Te
 
 void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
                           const SwigluParams& p, float scale, Tensor out) {
+  const auto timer = timed(fmt::format("moe_experts ({} rows)", gate_up.dim(0)));
   TPMOE_CHECK(out.data != x.data, "CUDA backend: the MoE output must not alias its input");
   MoeKernelParams m;
   m.x = bf16(x);
@@ -249,10 +306,12 @@ void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor
 }
 
 void CudaOps::gather_logit_rows(Tensor x, Tensor out) {
+  const auto timer = timed("gather_logit_rows");
   launch_gather_rows(bf16(x), logit_rows_, num_logit_rows_, int(x.dim(1)), bf16_mut(out), stream_);
 }
 
 void CudaOps::argmax(Tensor logits, Tensor ids) {
+  const auto timer = timed("argmax");
   launch_argmax(logits.as<float>(), int(logits.dim(0)), int(logits.dim(1)), ids.as<int32_t>(), stream_);
 }
 
@@ -261,6 +320,7 @@ std::vector<float> CudaOps::to_host(Tensor t) {
   if (t.dtype == DType::kF32) {
     CUDA_CHECK(cudaMemcpyAsync(out.data(), t.data, t.nbytes(), cudaMemcpyDeviceToHost, stream_));
     CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (profile_ops_) collect_op_times();
     return out;
   }
   expect(t, DType::kBF16, "to_host");
@@ -275,6 +335,7 @@ std::vector<int32_t> CudaOps::ids_to_host(Tensor ids) {
   std::vector<int32_t> out(size_t(ids.numel()));
   CUDA_CHECK(cudaMemcpyAsync(out.data(), ids.data, ids.nbytes(), cudaMemcpyDeviceToHost, stream_));
   CUDA_CHECK(cudaStreamSynchronize(stream_));
+  if (profile_ops_) collect_op_times();
   return out;
 }
 

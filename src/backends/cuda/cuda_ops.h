@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <map>
+#include <string>
 #include <memory>
 #include <vector>
 
@@ -78,6 +79,30 @@ class CudaOps final : public Ops {
   CacheShape cache_shape_;
   std::vector<KvCacheLayer> cache_;
   std::vector<void*> cache_allocations_;
+
+  // Per-op GPU time, for finding where a step goes: on when TPMOE_PROFILE_OPS=1 is set. Steps then
+  // run eagerly (no graph) and the totals per op are printed to stderr when the ops are destroyed.
+  class OpTimer {
+   public:
+    OpTimer(CudaOps& ops, std::string name);
+    ~OpTimer();
+    OpTimer(const OpTimer&) = delete;
+    OpTimer& operator=(const OpTimer&) = delete;
+
+   private:
+    CudaOps* ops_ = nullptr;
+    std::string name_;
+    cudaEvent_t start_ = nullptr;
+  };
+  OpTimer timed(std::string name) { return OpTimer(*this, std::move(name)); }
+  void collect_op_times();  // after a sync: fold finished event pairs into the totals
+  bool profile_ops_ = false;
+  struct PendingTime {
+    std::string name;
+    cudaEvent_t start, stop;
+  };
+  std::vector<PendingTime> pending_times_;
+  std::map<std::string, std::pair<double, int>> op_times_;  // name -> (ms, calls)
 
   struct Graph {
     cudaGraphExec_t exec = nullptr;
