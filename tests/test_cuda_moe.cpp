@@ -309,6 +309,49 @@ TEST(CudaMoeExperts, RealisticShape) {
   }
 }
 
+// Restores the process-wide tuning at the end of a test.
+struct TuningScope {
+  cuda::MoeTuning saved = cuda::moe_tuning();
+  ~TuningScope() { cuda::set_moe_tuning(saved); }
+};
+
+TEST(CudaMoeExperts, LargeBatchesAtOddWidths) {
+  TPMOE_REQUIRE_GPU();
+  // Batch 128 and 256 (32-pair token blocks) at widths that are not multiples of the tiles.
+  const int E = 16, k = 4, n = 1;
+  for (int T : {128, 256}) {
+    check_moe(make_inputs(T, k + n, 200, 72, E + n, 2.f, routed_plus_shared(T, E, k, n, 91 + T), 92 + T),
+              ("H=200 I=72 batch " + std::to_string(T)).c_str());
+  }
+}
+
+TEST(CudaMoeExperts, EveryTokenBlockWidthAndLaunchMode) {
+  TPMOE_REQUIRE_GPU();
+  // launch_moe picks the token block (8, 16 or 32 pairs) from the batch; force each one, with and
+  // without programmatic dependent launch and the down-weight L2 prefetch, on shapes where an expert
+  // has more pairs than a block (repeats within a token, all tokens on one expert, the shared row).
+  TuningScope scope;
+  for (int bm : {8, 16, 32}) {
+    for (int mode = 0; mode < 3; ++mode) {
+      cuda::MoeTuning t;
+      t.block_m = bm;
+      t.pdl = mode != 1;
+      t.down_prefetch_bytes = mode == 2 ? 0 : (1 << 20);
+      t.auto_select = false;
+      cuda::set_moe_tuning(t);
+      const std::string tag = " bm=" + std::to_string(bm) + " mode=" + std::to_string(mode);
+      check_moe(make_inputs(1, 5, 256, 128, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 101), 102), ("T=1" + tag).c_str());
+      check_moe(make_inputs(19, 5, 200, 72, 9, 1.5f, routed_plus_shared(19, 8, 4, 1, 103), 104),
+                ("T=19 H=200 I=72" + tag).c_str());
+      check_moe(make_inputs(13, 3, 100, 45, 6, 1.f, std::vector<int32_t>(39, 5), 105),
+                ("one expert H=100 I=45" + tag).c_str());
+      std::vector<int32_t> rep;
+      for (int tk = 0; tk < 7; ++tk) rep.insert(rep.end(), {2, 2, 2, 9, 16});
+      check_moe(make_inputs(7, 5, 128, 64, 17, 0.75f, rep, 106), ("repeats" + tag).c_str());
+    }
+  }
+}
+
 TEST(CudaMoeExperts, GraphReplayWithNewRouting) {
   TPMOE_REQUIRE_GPU();
   // The grid depends on the arguments only: one captured graph serves any routing.

@@ -10,7 +10,7 @@
 // sync, no allocation):
 //   1. align (one CTA): counts the (token, slot) pairs per physical expert row (num_rows bins, i.e.
 //      routed + fused shared rows: binning by E would drop the shared slots), prefix-sums them into
-//      offsets[num_rows + 1], cuts every row's pairs into token blocks of kBlockM = 32 pairs and
+//      offsets[num_rows + 1], cuts every row's pairs into token blocks of bm pairs (below) and
 //      writes the block table (expert, first sorted position) and perm[P] (sorted position -> pair
 //      index t*slots + s). Counts and scatter cursors live in shared memory only.
 //   2. gate_up GEMM with SwiGLU-OAI fused into the epilogue: act[pos, I] (bf16, sorted order) =
@@ -20,27 +20,29 @@
 //      oracle: the result does not depend on how experts were scheduled).
 //
 // GEMM work decomposition: grid = (token block b, row tile). The number of token blocks is data
-// dependent, so the grid is sized for the worst case, max_blocks = ceil(P/32) + min(P, num_rows)
-// (sum over rows of ceil(c_e/32) <= P/32 + active rows), and a CTA whose b >= num_blocks (read on
-// the device) exits at once. For decode (P = T*slots small) the row tiles carry the parallelism:
-// gate_up tiles 16 intermediate rows (16 gate + the matching 16 up rows, so the SwiGLU epilogue has
-// both halves), down tiles 32 hidden rows; at M3 shapes (I = 3072, H = 6144) that is 192 CTAs per
-// active expert and launch, so even a single expert fills the 132 SMs. Inside a CTA the 4 warps split
-// K in interleaved 32-wide chunks and reduce through shared memory in a fixed order (deterministic).
-// Each CTA reads its weight rows once per token block: for decode (<= 32 pairs per expert) every
-// weight element is read exactly once per expert; prefill re-reads a row tile once per 32 pairs, and
-// those re-reads are adjacent in the grid (blockIdx.x runs over token blocks) so they hit L2.
+// dependent, so the grid is sized for the worst case, max_blocks = ceil(P/bm) + min(P, num_rows)
+// (sum over rows of ceil(c_e/bm) <= P/bm + active rows), and a CTA whose b >= num_blocks (read on
+// the device) exits at once. The token block bm (8, 16 or 32 pairs: 1, 2 or 4 mma n-tiles) is chosen
+// from the batch (<= 64 tokens: 8, <= 128: 16, else 32; any bm is correct, a row with more pairs gets
+// more blocks); the kernels are templated on it, so a small batch carries no dead n-tiles and the
+// registers go to loads in flight. For decode the row tiles carry the parallelism: gate_up tiles
+// 8 intermediate rows j per m16 tile (the 8 gate rows and the matching 8 up rows share one m16 tile,
+// so each lane holds both halves of its SwiGLU), 1 m-tile per CTA for bm <= 16 (384 CTAs per active
+// expert at I = 3072), 2 for bm = 32; down tiles 32 hidden rows (192 CTAs per expert). Inside a CTA
+// the 4 warps split K: warp w takes U contiguous 32-wide chunks (U * 64 bytes of every weight row),
+// then skips 4U, with all U * MT * 2 16-byte weight loads issued before its mmas (U = 8 for the
+// bm = 8 gate_up: 16 loads, 256 bytes in flight per thread, 4 CTAs per SM at 128 registers), and
+// the warps reduce through shared memory in a fixed order (deterministic). Weight loads bypass L1
+// and ask L2 for 256-byte fetches. Each CTA reads its weight rows once per token block: for decode
+// every weight element is read exactly once per expert; prefill re-reads a row tile once per block,
+// and those re-reads are adjacent in the grid (blockIdx.x runs over token blocks) so they hit L2.
 //
-// Tensor cores: mma.sync m16n8k16 bf16 -> fp32 through inline PTX, with weights as the A operand
-// (16 output rows x 16 k) and tokens as the B operand (16 k x 8 tokens), i.e. the swapped-AB form
-// that suits a handful of tokens. Both operands are loaded straight from global memory with 16-byte
-// loads: lane (g = lane/4, t = lane%4) loads 8 consecutive k (k0 + 8t .. k0 + 8t + 7) of weight rows
-// g and g + 8 and of token column g. The mma's k order is a permutation of that (logical k 2t+j ->
-// physical 8t+j, 2t+8+j -> 8t+2+j for the first mma, +4 for the second); A and B use the same
-// permutation, so the dot product is unchanged. Every weight sector fetched is used entirely.
-// When K % 8 != 0 or a pointer is not 16-byte aligned, and for the tail of K, loads fall back to
-// masked 2-byte loads; rows past I or H are clamped for loading and never stored; tokens past a
-// block's count read as zero and are never stored.
+// Launches: align, gate_up, down and combine go out with programmatic dependent launch: each kernel
+// waits (griddepcontrol.wait) for its predecessor before reading its outputs or writing anything,
+// then lets its dependents launch, so the next grid's CTAs are already resident when one finishes.
+// At a single token (MoeTuning; measured slower at larger batches, where it doubles the L2 requests
+// of every down CTA) the down CTAs prefetch the first 64 KiB of their weight tile into L2 before
+// their wait (cp.async.bulk.prefetch). PDL is used up to 64 tokens (measured slower beyond). The combine runs on a (T, hidden / 1024) grid of float4 loads.
 //
 // Bytes (decode): each active expert row reads 3*I*H*2 bytes of weights once (113 MB at M3 shapes);
 // x, act, y are small next to that. FLOPs: 2 * P * 3 * I * H.
@@ -51,17 +53,15 @@
 // Slot ids outside [0, num_rows) are a routing bug: their pairs are skipped and the token's out row
 // is NaN (a kernel cannot throw).
 //
-// Measured on an H200 at M3 shapes (H 6144, I 3072, 129 rows, top-4 + 1 shared, whole launch_moe,
-// weight bytes only): T=1 (5 rows) 0.215 ms = 2.6 TB/s; T=8 3.45 TB/s; T=64 3.6 TB/s; T=256 3.3 TB/s.
-// The GEMM kernels use 141 registers, no spills (3 CTAs per SM).
-//
-// This is the first, correct version; tuning to the bandwidth limit (deeper load pipelines,
-// L2 evict-first hints for weights, split-K for decode, fewer launches) is left for later.
+// Measured on an H200: see docs/PERF.md, "MoE layer (bench/bench_moe)" (the whole layer, routing
+// included, as CUDA graphs with a cold L2, against the measured copy bandwidth). Before this
+// version (bm = 32 always, 16 j per gate_up CTA, no PDL): T=1 0.215 ms = 2.6 TB/s of weights.
 #include "backends/cuda/moe.cuh"
 
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <utility>
 
 #include "backends/cuda/cuda_check.h"
 
@@ -86,6 +86,9 @@ constexpr int kRouteWarps = 4;
 constexpr int kRouteMaxPerLane = 8;  // E <= 256
 
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const RouteKernelParams p) {
+  // The next kernel (launch_moe's align, launched with programmatic serialization) may start; it
+  // waits for this grid before it reads the slots.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
   if (t >= p.num_tokens) return;
@@ -158,13 +161,13 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const RouteKern
 // Workspace layout
 // ----------------------------------------------------------------------------------------------
 
-constexpr int kBlockM = 32;  // pairs per token block (4 mma n-tiles of 8)
+constexpr int kMinBlockM = 8;  // the smallest token block: sizes the block tables
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-int64_t max_token_blocks(int64_t pairs, int num_rows) {
-  return (pairs + kBlockM - 1) / kBlockM + std::min<int64_t>(pairs, num_rows);
+int64_t max_token_blocks(int64_t pairs, int num_rows, int block_m) {
+  return (pairs + block_m - 1) / block_m + std::min<int64_t>(pairs, num_rows);
 }
 
 struct WorkspaceLayout {
@@ -176,13 +179,13 @@ struct WorkspaceLayout {
   size_t act = 0;           // bf16 [P, inter], sorted order
   size_t y = 0;             // fp32 [P, hidden], by pair index, already times the slot weight
   size_t total = 0;
-  int64_t max_blocks = 0;
+  int64_t max_blocks = 0;   // for the smallest token block (any block_m fits)
 };
 
 WorkspaceLayout workspace_layout(int64_t tokens, int slots, int hidden, int inter, int num_rows) {
   const int64_t pairs = tokens * slots;
   WorkspaceLayout l;
-  l.max_blocks = max_token_blocks(pairs, num_rows);
+  l.max_blocks = max_token_blocks(pairs, num_rows, kMinBlockM);
   size_t at = 0;
   auto take = [&](size_t bytes) {
     const size_t start = at;
@@ -200,6 +203,14 @@ WorkspaceLayout workspace_layout(int64_t tokens, int slots, int hidden, int inte
   return l;
 }
 
+// Programmatic dependent launch. Every kernel of launch_moe waits for its predecessor grid (complete,
+// memory visible) before it reads anything the predecessor wrote or writes anything, and only then
+// lets its own dependents launch; so when a kernel starts, the kernel two back is complete (the down
+// GEMM relies on that to read the block table before its wait). Both are no-ops without the launch
+// attribute.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
 // ----------------------------------------------------------------------------------------------
 // 1. Alignment: pairs binned by physical expert row
 // ----------------------------------------------------------------------------------------------
@@ -216,13 +227,17 @@ struct AlignParams {
   int32_t* perm = nullptr;
   int pairs = 0;
   int num_rows = 0;
+  int block_m = 32;
 };
 
 __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const AlignParams p) {
   extern __shared__ int32_t align_smem[];
+  pdl_wait();
+  pdl_trigger();
   int32_t* count = align_smem;                // [num_rows]
   int32_t* cursor = align_smem + p.num_rows;  // [num_rows]
   const int R = p.num_rows;
+  const int bm = p.block_m;
   for (int e = threadIdx.x; e < R; e += blockDim.x) count[e] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < p.pairs; i += blockDim.x) {
@@ -237,7 +252,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const AlignPar
     for (int base = 0; base < R; base += 32) {
       const int e = base + lane;
       const int c = e < R ? count[e] : 0;
-      const int nb = (c + kBlockM - 1) / kBlockM;
+      const int nb = (c + bm - 1) / bm;
       int inc_c = c, inc_nb = nb;
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
@@ -255,7 +270,7 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const AlignPar
         cursor[e] = off;
         for (int j = 0; j < nb; ++j) {
           p.block_expert[boff + j] = e;
-          p.block_start[boff + j] = off + j * kBlockM;
+          p.block_start[boff + j] = off + j * bm;
         }
       }
       run += __shfl_sync(0xffffffffu, inc_c, 31);
@@ -280,11 +295,26 @@ __global__ void __launch_bounds__(kAlignThreads) moe_align_kernel(const AlignPar
 
 constexpr int kGemmWarps = 4;  // split K
 constexpr int kGemmThreads = kGemmWarps * 32;
-constexpr int kMT = 2;               // m16 tiles per warp: gate + up rows, or 2 x 16 hidden rows
-constexpr int kNT = kBlockM / 8;     // n8 tiles: the token block
-constexpr int kUnroll = 2;           // 32-wide k chunks in flight per warp
-constexpr int kGateUpRowsPerCta = 16;
-constexpr int kDownRowsPerCta = 32;
+
+// Shapes per token-block width NT (n8 tiles: block_m = 8 * NT):
+//   MT: m16 tiles per CTA. gate_up: each m16 tile is 8 gate rows (j) + the matching 8 up rows
+//       (I + j), so a lane holds both halves of its SwiGLU; the CTA covers 8 * MT j. down: 16 * MT
+//       hidden rows.
+//   U:  32-wide k chunks each warp loads before it multiplies (16-byte weight loads in flight per
+//       thread: U * MT * 2); contiguous, so a warp reads U * 64 bytes of each row per step.
+template <bool kGateUp, int NT>
+struct GemmShape;
+template <> struct GemmShape<true, 1> { static constexpr int MT = 1, U = 8; };
+template <> struct GemmShape<true, 2> { static constexpr int MT = 1, U = 4; };
+template <> struct GemmShape<true, 4> { static constexpr int MT = 2, U = 2; };
+template <> struct GemmShape<false, 1> { static constexpr int MT = 2, U = 4; };
+template <> struct GemmShape<false, 2> { static constexpr int MT = 2, U = 3; };
+template <> struct GemmShape<false, 4> { static constexpr int MT = 2, U = 2; };
+
+template <bool kGateUp, int NT>
+constexpr int rows_per_cta() {
+  return kGateUp ? 8 * GemmShape<kGateUp, NT>::MT : 16 * GemmShape<kGateUp, NT>::MT;
+}
 
 struct GemmParams {
   const uint16_t* w = nullptr;  // gate_up [R, 2I, H] or down [R, H, I] (bf16 bits)
@@ -300,13 +330,23 @@ struct GemmParams {
   int K = 0;                            // H for gate_up, I for down
   int rows = 0;                         // output rows: I (per half) for gate_up, H for down
   int slots = 0;
-  bool vec = false;  // K % 8 == 0 and 16-byte aligned bases: 16-byte loads
+  int block_m = 32;
+  int prefetch_row_bytes = 0;  // down: bytes of each weight row prefetched into L2 before the wait
+  bool vec = false;            // K % 8 == 0 and 16-byte aligned bases: 16-byte loads
   float alpha = 1.702f;
   float limit = 7.0f;
 };
 
-__device__ __forceinline__ uint4 load8(const uint16_t* row, int k, int K, bool vec) {
-  if (vec && k + 8 <= K) return __ldg(reinterpret_cast<const uint4*>(row + k));
+// Weights are read once: no L1 allocation, and a 256-byte L2 fetch (the next chunks of the row).
+__device__ __forceinline__ uint4 ld_weight16(const uint16_t* ptr) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+}
+
+__device__ __forceinline__ uint4 load8_masked(const uint16_t* row, int k, int K) {
   uint32_t v[4] = {0, 0, 0, 0};
 #pragma unroll
   for (int j = 0; j < 8; ++j)
@@ -314,10 +354,19 @@ __device__ __forceinline__ uint4 load8(const uint16_t* row, int k, int K, bool v
   return make_uint4(v[0], v[1], v[2], v[3]);
 }
 
+__device__ __forceinline__ uint4 load8_w(const uint16_t* row, int k, int K, bool vec) {
+  if (vec && k + 8 <= K) return ld_weight16(row + k);
+  return load8_masked(row, k, K);
+}
+
+__device__ __forceinline__ uint4 load8(const uint16_t* row, int k, int K, bool vec) {
+  if (vec && k + 8 <= K) return __ldg(reinterpret_cast<const uint4*>(row + k));
+  return load8_masked(row, k, K);
+}
+
 __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                                uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
@@ -331,39 +380,60 @@ __device__ __forceinline__ float swiglu_oai(float gate, float up, float alpha, f
 
 __device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 
-// kGateUp: act[pos, j] = swiglu(<x[tok], Wgu[e, j]>, <x[tok], Wgu[e, I + j]>) for the CTA's 16 j.
-// else:    y[pair, n] = w[pair] * <act[pos], Wd[e, n]> for the CTA's 32 n.
-template <bool kGateUp>
-__global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(const GemmParams p) {
-  __shared__ float red[kGemmWarps][kMT * kNT * 4][32];
+// kGateUp: act[pos, j] = swiglu(<x[tok], Wgu[e, j]>, <x[tok], Wgu[e, I + j]>) for the CTA's 8 * MT j.
+// else:    y[pair, n] = w[pair] * <act[pos], Wd[e, n]> for the CTA's 16 * MT n.
+template <bool kGateUp, int NT>
+__global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel(const GemmParams p) {
+  constexpr int MT = GemmShape<kGateUp, NT>::MT;
+  constexpr int U = GemmShape<kGateUp, NT>::U;
+  constexpr int kRows = rows_per_cta<kGateUp, NT>();
+  __shared__ float red[kGemmWarps][MT * NT * 4][32];
 
   const int blk = blockIdx.x;
+  const int row0 = blockIdx.y * kRows;
+  if constexpr (!kGateUp) {
+    // Before the wait: start this CTA's weight rows towards L2 while the gate_up GEMM finishes. The
+    // block table is already complete (align finished before any gate_up CTA let this grid launch).
+    if (p.prefetch_row_bytes > 0 && threadIdx.x < kRows && blk < *p.num_blocks &&
+        (blk == 0 || p.block_expert[blk - 1] != p.block_expert[blk])) {
+      const int e = p.block_expert[blk];
+      const int r = min(row0 + int(threadIdx.x), p.rows - 1);
+      const uint16_t* ptr = p.w + (size_t(e) * p.rows + r) * p.K;
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(p.prefetch_row_bytes) : "memory");
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
   if (blk >= *p.num_blocks) return;  // idle work item: fewer blocks than the worst case
   const int e = p.block_expert[blk];
   const int start = p.block_start[blk];
-  const int cnt = min(kBlockM, p.offsets[e + 1] - start);
+  const int cnt = min(8 * NT, p.offsets[e + 1] - start);
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const int K = p.K;
-  const int row0 = blockIdx.y * (kGateUp ? kGateUpRowsPerCta : kDownRowsPerCta);
 
-  // Weight rows this lane loads: [m-tile][0: row g, 1: row g + 8], clamped into range.
+  // Weight rows this lane loads: [m-tile][h], clamped into range. gate_up: h = 0 the gate row j,
+  // h = 1 the up row I + j; down: rows g and g + 8 of the m-tile.
   const size_t expert_rows = kGateUp ? size_t(2) * p.rows : size_t(p.rows);
   const uint16_t* w_e = p.w + size_t(e) * expert_rows * K;
-  const uint16_t* a_row[kMT][2];
+  const uint16_t* a_row[MT][2];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int local = g + 8 * h;
-      int r = kGateUp ? min(row0 + local, p.rows - 1) + mt * p.rows : min(row0 + mt * 16 + local, p.rows - 1);
+      int r;
+      if constexpr (kGateUp) {
+        r = min(row0 + mt * 8 + g, p.rows - 1) + h * p.rows;
+      } else {
+        r = min(row0 + mt * 16 + g + 8 * h, p.rows - 1);
+      }
       a_row[mt][h] = w_e + size_t(r) * K;
     }
   // Token columns: n-tile nt, column g; nullptr past the block's count (reads as zero).
-  const uint16_t* b_row[kNT];
+  const uint16_t* b_row[NT];
 #pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
     const int c = nt * 8 + g;
     b_row[nt] = nullptr;
     if (c < cnt) {
@@ -372,38 +442,38 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(const GemmParams
     }
   }
 
-  float acc[kMT][kNT][4];
+  float acc[MT][NT][4];
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.f;
 
   const int num_chunks = (K + 31) / 32;
-  for (int c0 = warp; c0 < num_chunks; c0 += kGemmWarps * kUnroll) {
-    uint4 a[kUnroll][kMT][2], b[kUnroll][kNT];
+  for (int base = warp * U; base < num_chunks; base += kGemmWarps * U) {
+    uint4 a[U][MT][2], b[U][NT];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int chunk = c0 + u * kGemmWarps;
+    for (int u = 0; u < U; ++u) {
+      const int chunk = base + u;
       const int k = chunk * 32 + 8 * t;  // >= K past the last chunk: masked loads give zeros
       const bool live = chunk < num_chunks;
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) a[u][mt][h] = live ? load8(a_row[mt][h], k, K, p.vec) : make_uint4(0, 0, 0, 0);
+        for (int h = 0; h < 2; ++h) a[u][mt][h] = live ? load8_w(a_row[mt][h], k, K, p.vec) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
+      for (int nt = 0; nt < NT; ++nt)
         b[u][nt] = (live && b_row[nt]) ? load8(b_row[nt], k, K, p.vec) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (c0 + u * kGemmWarps >= num_chunks) break;
+    for (int u = 0; u < U; ++u) {
+      if (base + u >= num_chunks) break;
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
+      for (int nt = 0; nt < NT; ++nt) {
         if (nt * 8 >= cnt) break;  // warp-uniform: empty n-tiles cost nothing
 #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt) {
+        for (int mt = 0; mt < MT; ++mt) {
           const uint4& ra = a[u][mt][0];  // row g
           const uint4& rb = a[u][mt][1];  // row g + 8
           mma_bf16_16816(acc[mt][nt], ra.x, rb.x, ra.y, rb.y, b[u][nt].x, b[u][nt].y);
@@ -414,43 +484,48 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(const GemmParams
   }
 
 #pragma unroll
-  for (int mt = 0; mt < kMT; ++mt)
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt)
+    for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-      for (int q = 0; q < 4; ++q) red[warp][(mt * kNT + nt) * 4 + q][lane] = acc[mt][nt][q];
+      for (int q = 0; q < 4; ++q) red[warp][(mt * NT + nt) * 4 + q][lane] = acc[mt][nt][q];
   __syncthreads();
-  // after this barrier: red holds every warp's partial sums over its k chunks.
+  // after this barrier: red holds every warp's partial sums over its k chunks; summed in warp order.
 
-  // Items (nt, q, lane of the C fragment); C element q of lane is row g + 8*(q >= 2), column
-  // 2t + (q & 1) of the n-tile.
-  constexpr int kItems = kNT * 4 * 32;
-  for (int item = threadIdx.x; item < kItems; item += kGemmThreads) {
-    const int l = item & 31, nq = item >> 5;
-    const int nt = nq >> 2, q = nq & 3;
-    const int col = nt * 8 + 2 * (l & 3) + (q & 1);
-    if (col >= cnt) continue;
-    const int local = (l >> 2) + 8 * (q >> 1);
-    float v[kMT];
+  // C element q of lane l is row (l >> 2) + 8 * (q >= 2) of the m-tile, column 2 * (l & 3) + (q & 1)
+  // of the n-tile.
+  if constexpr (kGateUp) {
+    // Items (mt, nt, q < 2, lane): gate in element q, up in element q + 2 of the same lane.
+    constexpr int kItems = MT * NT * 2 * 32;
+    for (int item = threadIdx.x; item < kItems; item += kGemmThreads) {
+      const int l = item & 31, rest = item >> 5;
+      const int q = rest & 1, nt = (rest >> 1) % NT, mt = (rest >> 1) / NT;
+      const int col = nt * 8 + 2 * (l & 3) + q;
+      const int j = row0 + mt * 8 + (l >> 2);
+      if (col >= cnt || j >= p.rows) continue;
+      const int f = (mt * NT + nt) * 4 + q;
+      float gate = 0.f, up = 0.f;
 #pragma unroll
-    for (int mt = 0; mt < kMT; ++mt) {
+      for (int wi = 0; wi < kGemmWarps; ++wi) {
+        gate += red[wi][f][l];
+        up += red[wi][f + 2][l];
+      }
+      p.act[size_t(start + col) * p.rows + j] = f32_to_bf16_bits(swiglu_oai(gate, up, p.alpha, p.limit));
+    }
+  } else {
+    constexpr int kItems = MT * NT * 4 * 32;
+    for (int item = threadIdx.x; item < kItems; item += kGemmThreads) {
+      const int l = item & 31, rest = item >> 5;
+      const int q = rest & 3, nt = (rest >> 2) % NT, mt = (rest >> 2) / NT;
+      const int col = nt * 8 + 2 * (l & 3) + (q & 1);
+      const int n = row0 + mt * 16 + (l >> 2) + 8 * (q >> 1);
+      if (col >= cnt || n >= p.rows) continue;
+      const int f = (mt * NT + nt) * 4 + q;
       float s = 0.f;
 #pragma unroll
-      for (int wi = 0; wi < kGemmWarps; ++wi) s += red[wi][(mt * kNT + nt) * 4 + q][l];
-      v[mt] = s;
-    }
-    const int pos = start + col;
-    if constexpr (kGateUp) {
-      const int j = row0 + local;
-      if (j < p.rows) p.act[size_t(pos) * p.rows + j] = f32_to_bf16_bits(swiglu_oai(v[0], v[1], p.alpha, p.limit));
-    } else {
-      const int pair = p.perm[pos];
-      const float w = p.slot_weights[pair];
-#pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
-        const int n = row0 + mt * 16 + local;
-        if (n < p.rows) p.y[size_t(pair) * p.rows + n] = w * v[mt];
-      }
+      for (int wi = 0; wi < kGemmWarps; ++wi) s += red[wi][f][l];
+      const int pair = p.perm[start + col];
+      p.y[size_t(pair) * p.rows + n] = p.slot_weights[pair] * s;
     }
   }
 }
@@ -460,6 +535,7 @@ __global__ void __launch_bounds__(kGemmThreads) moe_gemm_kernel(const GemmParams
 // ----------------------------------------------------------------------------------------------
 
 constexpr int kCombineThreads = 256;
+constexpr int kCombineVec = 4;  // hidden values per thread
 
 struct CombineParams {
   const float* y = nullptr;  // [P, H], weighted
@@ -468,10 +544,14 @@ struct CombineParams {
   int slots = 0;
   int hidden = 0;
   int num_rows = 0;
+  bool vec = false;  // hidden % 4 == 0 and out 8-byte aligned
   float scale = 1.f;
 };
 
+// Grid (T, hidden chunks of 1024): every thread sums 4 hidden values over the slots, in slot order.
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const CombineParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x;
   bool bad = false;
   for (int s = 0; s < p.slots; ++s) {
@@ -479,15 +559,84 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(const Comb
     bad |= e < 0 || e >= p.num_rows;
   }
   const float* y = p.y + size_t(t) * p.slots * p.hidden;
-  for (int h = threadIdx.x; h < p.hidden; h += blockDim.x) {
-    float acc = 0.f;
-    for (int s = 0; s < p.slots; ++s) acc += y[size_t(s) * p.hidden + h];
-    acc *= p.scale;
-    p.out[size_t(t) * p.hidden + h] = f32_to_bf16_bits(bad ? __int_as_float(0x7fc00000) : acc);
+  const int h0 = (blockIdx.y * kCombineThreads + threadIdx.x) * kCombineVec;
+  if (h0 >= p.hidden) return;
+  float acc[kCombineVec] = {0.f, 0.f, 0.f, 0.f};
+  if (p.vec) {
+    for (int s = 0; s < p.slots; ++s) {
+      const float4 v = *reinterpret_cast<const float4*>(y + size_t(s) * p.hidden + h0);
+      acc[0] += v.x;
+      acc[1] += v.y;
+      acc[2] += v.z;
+      acc[3] += v.w;
+    }
+    uint32_t lo = 0, hi = 0;
+    uint16_t o[kCombineVec];
+#pragma unroll
+    for (int i = 0; i < kCombineVec; ++i) o[i] = f32_to_bf16_bits(bad ? __int_as_float(0x7fc00000) : acc[i] * p.scale);
+    lo = uint32_t(o[0]) | (uint32_t(o[1]) << 16);
+    hi = uint32_t(o[2]) | (uint32_t(o[3]) << 16);
+    *reinterpret_cast<uint2*>(p.out + size_t(t) * p.hidden + h0) = make_uint2(lo, hi);
+  } else {
+    for (int i = 0; i < kCombineVec && h0 + i < p.hidden; ++i) {
+      float a = 0.f;
+      for (int s = 0; s < p.slots; ++s) a += y[size_t(s) * p.hidden + h0 + i];
+      p.out[size_t(t) * p.hidden + h0 + i] = f32_to_bf16_bits(bad ? __int_as_float(0x7fc00000) : a * p.scale);
+    }
   }
 }
 
+// ----------------------------------------------------------------------------------------------
+// Baseline helpers (bench only)
+// ----------------------------------------------------------------------------------------------
+
+__global__ void scatter_add_weighted_kernel(const float* y, const int32_t* token, const float* w, int hidden,
+                                            float* acc) {
+  const int r = blockIdx.y;
+  const float wr = w[r];
+  float* dst = acc + size_t(token[r]) * hidden;
+  const float* src = y + size_t(r) * hidden;
+  for (int h = blockIdx.x * blockDim.x + threadIdx.x; h < hidden; h += gridDim.x * blockDim.x)
+    atomicAdd(dst + h, wr * src[h]);
+}
+
+__global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t n, float scale) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = f32_to_bf16_bits(in[i] * scale);
+}
+
 bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
+
+MoeTuning g_tuning;
+
+// cudaLaunchKernelEx with the programmatic-stream-serialization attribute when pdl is set.
+template <class... KArgs, class... Args>
+void launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+              Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+template <bool kGateUp>
+void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, cudaStream_t stream, bool pdl) {
+  auto go = [&](auto kernel, int rows_per) {
+    const dim3 grid(blocks, unsigned((rows_total + rows_per - 1) / rows_per));
+    MOE_ARG_CHECK(grid.y <= 65535, "launch_moe: inter or hidden too large for the grid");
+    launch_k(kernel, grid, dim3(kGemmThreads), 0, stream, pdl, gp);
+  };
+  if (nt == 1) go(moe_gemm_kernel<kGateUp, 1>, rows_per_cta<kGateUp, 1>());
+  else if (nt == 2) go(moe_gemm_kernel<kGateUp, 2>, rows_per_cta<kGateUp, 2>());
+  else go(moe_gemm_kernel<kGateUp, 4>, rows_per_cta<kGateUp, 4>());
+}
 
 }  // namespace
 
@@ -530,6 +679,19 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   auto* y = reinterpret_cast<float*>(ws + l.y);
   const int pairs = p.num_tokens * p.slots;
 
+  // Measured on an H200 (docs/PERF.md): 8-pair blocks are fastest up to 64 tokens, 16 at 128, 32
+  // beyond; PDL gains ~3 us at small batches and loses up to 6% at 128+ tokens (I = 3072); the down
+  // prefetch pays only at a single token.
+  MoeTuning tune = g_tuning;
+  int block_m = tune.block_m;
+  if (block_m != 8 && block_m != 16 && block_m != 32) block_m = p.num_tokens <= 64 ? 8 : p.num_tokens <= 128 ? 16 : 32;
+  if (tune.auto_select) {
+    tune.pdl = tune.pdl && p.num_tokens <= 64;
+    if (p.num_tokens > 1) tune.down_prefetch_bytes = 0;
+  }
+  const int nt = block_m / 8;
+  const int64_t blocks = max_token_blocks(pairs, p.num_rows, block_m);  // <= l.max_blocks
+
   AlignParams ap;
   ap.slot_ids = p.slot_ids;
   ap.offsets = offsets;
@@ -539,8 +701,9 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   ap.perm = perm;
   ap.pairs = pairs;
   ap.num_rows = p.num_rows;
-  moe_align_kernel<<<1, kAlignThreads, size_t(2) * p.num_rows * sizeof(int32_t), stream>>>(ap);
-  CUDA_CHECK_LAUNCH();
+  ap.block_m = block_m;
+  launch_k(moe_align_kernel, dim3(1), dim3(kAlignThreads), size_t(2) * p.num_rows * sizeof(int32_t), stream, tune.pdl,
+           ap);
 
   GemmParams gp;
   gp.perm = perm;
@@ -549,6 +712,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   gp.block_expert = block_expert;
   gp.block_start = block_start;
   gp.slots = p.slots;
+  gp.block_m = block_m;
   gp.alpha = p.alpha;
   gp.limit = p.limit;
 
@@ -559,10 +723,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   gp.K = p.hidden;
   gp.rows = p.inter;
   gp.vec = p.hidden % 8 == 0 && aligned16(p.gate_up) && aligned16(p.x);
-  const dim3 grid_gu(unsigned(l.max_blocks), unsigned((p.inter + kGateUpRowsPerCta - 1) / kGateUpRowsPerCta));
-  MOE_ARG_CHECK(grid_gu.y <= 65535, "launch_moe: inter too large for the grid");
-  moe_gemm_kernel<true><<<grid_gu, kGemmThreads, 0, stream>>>(gp);
-  CUDA_CHECK_LAUNCH();
+  launch_gemm<true>(nt, gp, unsigned(blocks), p.inter, stream, tune.pdl);
 
   // down, times the slot weight: K = inter, rows = hidden.
   gp.w = reinterpret_cast<const uint16_t*>(p.down);
@@ -573,10 +734,11 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   gp.K = p.inter;
   gp.rows = p.hidden;
   gp.vec = p.inter % 8 == 0 && aligned16(p.down);  // act rows: 256-aligned region, stride inter*2
-  const dim3 grid_down(unsigned(l.max_blocks), unsigned((p.hidden + kDownRowsPerCta - 1) / kDownRowsPerCta));
-  MOE_ARG_CHECK(grid_down.y <= 65535, "launch_moe: hidden too large for the grid");
-  moe_gemm_kernel<false><<<grid_down, kGemmThreads, 0, stream>>>(gp);
-  CUDA_CHECK_LAUNCH();
+  if (gp.vec && tune.pdl && tune.down_prefetch_bytes > 0) {
+    const int64_t per_row = std::min<int64_t>(int64_t(p.inter) * 2, tune.down_prefetch_bytes / 32);
+    gp.prefetch_row_bytes = int(per_row / 16 * 16);
+  }
+  launch_gemm<false>(nt, gp, unsigned(blocks), p.hidden, stream, tune.pdl);
 
   CombineParams cp;
   cp.y = y;
@@ -585,8 +747,28 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   cp.slots = p.slots;
   cp.hidden = p.hidden;
   cp.num_rows = p.num_rows;
+  cp.vec = p.hidden % 4 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 7u) == 0;
   cp.scale = p.scale;
-  moe_combine_kernel<<<p.num_tokens, kCombineThreads, 0, stream>>>(cp);
+  const unsigned chunks = unsigned((p.hidden + kCombineThreads * kCombineVec - 1) / (kCombineThreads * kCombineVec));
+  MOE_ARG_CHECK(chunks <= 65535, "launch_moe: hidden too large for the combine grid");
+  launch_k(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, stream, tune.pdl, cp);
+}
+
+void set_moe_tuning(const MoeTuning& t) { g_tuning = t; }
+MoeTuning moe_tuning() { return g_tuning; }
+
+void launch_scatter_add_weighted(const float* y, const int32_t* token, const float* w, int n, int hidden, float* acc,
+                                 cudaStream_t stream) {
+  if (n == 0) return;
+  const dim3 grid(unsigned(std::min((hidden + 255) / 256, 64)), unsigned(n));
+  scatter_add_weighted_kernel<<<grid, 256, 0, stream>>>(y, token, w, hidden, acc);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_f32_to_bf16(const float* in, __nv_bfloat16* out, int64_t n, float scale, cudaStream_t stream) {
+  if (n == 0) return;
+  const int64_t blocks = std::min<int64_t>((n + 255) / 256, 4096);
+  f32_to_bf16_kernel<<<unsigned(blocks), 256, 0, stream>>>(in, reinterpret_cast<uint16_t*>(out), n, scale);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -52,4 +52,23 @@ struct MoeKernelParams {
 size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int num_rows);
 void launch_moe(const MoeKernelParams& p, cudaStream_t stream);
 
+// Process-wide knobs of launch_moe, for benchmarks and tests (the defaults are the measured best).
+// Every setting is deterministic and matches the CPU oracle; pdl and the prefetch do not change a
+// bit, block_m changes the k order of the sums (each output is one CTA's fixed-order reduction).
+struct MoeTuning {
+  bool pdl = true;  // programmatic dependent launch between the kernels
+  int block_m = 0;  // pairs per token block: 8, 16 or 32; 0 = from num_tokens (<= 64: 8, <= 128: 16, else 32)
+  int down_prefetch_bytes = 65536;  // per down CTA, weights prefetched into L2 before its wait; 0 = off
+  // Apply pdl only up to 64 tokens and the prefetch only at 1 token (where they measured faster).
+  bool auto_select = true;
+};
+void set_moe_tuning(const MoeTuning& t);
+MoeTuning moe_tuning();
+
+// Helpers for the per-expert cuBLAS baseline of bench/bench_moe (not used by the engine):
+// acc[token[r], :] += w[r] * y[r, :] for r < n (fp32 atomics), and out = bf16(scale * in).
+void launch_scatter_add_weighted(const float* y, const int32_t* token, const float* w, int n, int hidden, float* acc,
+                                 cudaStream_t stream);
+void launch_f32_to_bf16(const float* in, __nv_bfloat16* out, int64_t n, float scale, cudaStream_t stream);
+
 }  // namespace tpmoe::cuda

@@ -1,0 +1,327 @@
+// MoE layer benchmark (one GPU, bf16 weights, MiniMax-M3 shapes): routing + launch_moe with the
+// shared expert fused as row 128, against (a) the unfused layout (routed experts through launch_moe,
+// the shared expert as its own cuBLASLt MLP, added after) and (b) a straightforward baseline
+// (per-expert cuBLASLt GEMMs: gather, gate_up, SwiGLU, down, weighted scatter-add, host loop over the
+// experts the routing touched). Everything is timed as a replayed CUDA graph with a cold L2 (a
+// 256 MiB memset between replays, not timed): median of the replays.
+//
+// Floor = (distinct expert rows touched, shared included) * 3*I*H*2 bytes + activations (x in,
+// out, router logits), over the device-to-device copy bandwidth measured at the start of the run.
+//
+//   bench_moe [--json PATH] [--reps N] [--ablate]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "backends/cuda/cuda_check.h"
+#include "backends/cuda/elementwise.cuh"
+#include "backends/cuda/gemm.h"
+#include "backends/cuda/moe.cuh"
+#include "tpmoe/tpmoe.h"
+
+namespace {
+
+using tpmoe::cuda::Gemm;
+
+constexpr int kHidden = 6144;
+constexpr int kExperts = 128;
+constexpr int kTopK = 4;
+constexpr int kRows = kExperts + 1;  // + the fused shared expert
+constexpr size_t kFlushBytes = size_t(256) << 20;
+
+template <class T>
+T* dalloc(size_t n) {
+  void* p = nullptr;
+  CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
+  return static_cast<T*>(p);
+}
+
+struct Timer {
+  cudaStream_t stream;
+  void* flush;
+  int reps;
+  // Median microseconds of `reps` replays of a graph, each after an L2-flushing memset.
+  double time(const std::function<void(cudaStream_t)>& body) {
+    body(stream);  // warm-up (also builds cuBLASLt plans outside the capture)
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    body(stream);
+    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    std::vector<cudaEvent_t> ev(2 * size_t(reps));
+    for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    for (int r = 0; r < reps; ++r) {
+      CUDA_CHECK(cudaMemsetAsync(flush, r & 0xff, kFlushBytes, stream));
+      CUDA_CHECK(cudaEventRecord(ev[2 * r], stream));
+      CUDA_CHECK(cudaGraphLaunch(exec, stream));
+      CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], stream));
+    }
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<double> us;
+    for (int r = 0; r < reps; ++r) {
+      float ms = 0;
+      CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * r], ev[2 * r + 1]));
+      us.push_back(ms * 1e3);
+    }
+    for (auto& e : ev) cudaEventDestroy(e);
+    CUDA_CHECK(cudaGraphExecDestroy(exec));
+    CUDA_CHECK(cudaGraphDestroy(graph));
+    std::sort(us.begin(), us.end());
+    return us[us.size() / 2];
+  }
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string json_path;
+  int reps = 25;
+  bool ablate = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--ablate")) ablate = true;
+    else {
+      std::fprintf(stderr, "usage: %s [--json PATH] [--reps N] [--ablate]\n", argv[0]);
+      return 2;
+    }
+  }
+  try {
+    const double bw = tpmoe::measure_copy_bandwidth("cuda");
+    cudaDeviceProp prop{};
+    CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s (%d SMs), D2D copy bandwidth %.1f GB/s (read + write)\n", prop.name,
+                prop.multiProcessorCount, bw / 1e9);
+
+    cudaStream_t stream;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    void* flush = dalloc<uint8_t>(kFlushBytes);
+    Timer timer{stream, flush, reps};
+    Gemm gemm;
+    const tpmoe::cuda::MoeTuning defaults = tpmoe::cuda::moe_tuning();
+
+    const int max_T = 256;
+    const int batches[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+    nlohmann::json rows = nlohmann::json::array();
+    std::printf("\n%5s %5s %8s %9s %10s %8s %7s %9s %6s %11s %8s %11s %8s\n", "I", "batch", "distinct", "MB",
+                "us", "GB/s", "% bw", "floor us", "ratio", "unfused us", "gain %", "baseline us", "vs base");
+    std::vector<std::string> ablation_lines;
+
+    for (const int I : {3072, 384}) {
+      const int H = kHidden;
+      // Weights: [129, 2I, H] and [129, H, I]; row 128 is the shared expert.
+      const size_t gu_row = size_t(2) * I * H, dn_row = size_t(H) * I;
+      auto* gate_up = dalloc<__nv_bfloat16>(kRows * gu_row);
+      auto* down = dalloc<__nv_bfloat16>(kRows * dn_row);
+      tpmoe::cuda::launch_fill_random(gate_up, false, int64_t(kRows * gu_row), 1, 11, 0, 0.02f, stream);
+      tpmoe::cuda::launch_fill_random(down, false, int64_t(kRows * dn_row), 1, 12, 0, 0.02f, stream);
+      auto* x = dalloc<__nv_bfloat16>(size_t(max_T) * H);
+      tpmoe::cuda::launch_fill_random(x, false, int64_t(max_T) * H, 2, 1, 0, 1.f, stream);
+      auto* logits = dalloc<float>(size_t(max_T) * kExperts);
+      tpmoe::cuda::launch_fill_random(logits, true, int64_t(max_T) * kExperts, 3, 1, 0, 1.f, stream);
+      auto* bias = dalloc<float>(kExperts);
+      tpmoe::cuda::launch_fill_random(bias, true, kExperts, 4, 1, 0, 0.01f, stream);
+      const int slots = kTopK + 1;
+      auto* ids = dalloc<int32_t>(size_t(max_T) * slots);
+      auto* wts = dalloc<float>(size_t(max_T) * slots);
+      auto* ids_u = dalloc<int32_t>(size_t(max_T) * kTopK);
+      auto* wts_u = dalloc<float>(size_t(max_T) * kTopK);
+      auto* out = dalloc<__nv_bfloat16>(size_t(max_T) * H);
+      const size_t ws_bytes = std::max(tpmoe::cuda::moe_workspace_bytes(max_T, slots, H, I, kRows),
+                                       tpmoe::cuda::moe_workspace_bytes(max_T, kTopK, H, I, kExperts));
+      void* ws = dalloc<uint8_t>(ws_bytes);
+      // Unfused shared MLP and baseline scratch.
+      auto* gu_buf = dalloc<__nv_bfloat16>(size_t(max_T) * slots * 2 * I);
+      auto* a_buf = dalloc<__nv_bfloat16>(size_t(max_T) * slots * I);
+      auto* ys_buf = dalloc<__nv_bfloat16>(size_t(max_T) * H);
+      auto* xg_buf = dalloc<__nv_bfloat16>(size_t(max_T) * slots * H);
+      auto* yf_buf = dalloc<float>(size_t(max_T) * slots * H);
+      auto* acc_buf = dalloc<float>(size_t(max_T) * H);
+      auto* tok_list = dalloc<int32_t>(size_t(max_T) * slots);
+      auto* w_list = dalloc<float>(size_t(max_T) * slots);
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+
+      for (const int T : batches) {
+        tpmoe::cuda::RouteKernelParams rp;
+        rp.logits = logits;
+        rp.bias = bias;
+        rp.slot_ids = ids;
+        rp.slot_weights = wts;
+        rp.num_tokens = T;
+        rp.num_experts = kExperts;
+        rp.top_k = kTopK;
+        rp.num_shared = 1;
+        rp.shared_weight = 1.f;
+        tpmoe::cuda::RouteKernelParams rpu = rp;
+        rpu.slot_ids = ids_u;
+        rpu.slot_weights = wts_u;
+        rpu.num_shared = 0;
+
+        tpmoe::cuda::MoeKernelParams mp;
+        mp.x = x;
+        mp.slot_ids = ids;
+        mp.slot_weights = wts;
+        mp.gate_up = gate_up;
+        mp.down = down;
+        mp.out = out;
+        mp.num_tokens = T;
+        mp.slots = slots;
+        mp.hidden = H;
+        mp.inter = I;
+        mp.num_rows = kRows;
+        mp.workspace = ws;
+        mp.workspace_bytes = ws_bytes;
+        tpmoe::cuda::MoeKernelParams mpu = mp;
+        mpu.slot_ids = ids_u;
+        mpu.slot_weights = wts_u;
+        mpu.slots = kTopK;
+        mpu.num_rows = kExperts;
+
+        // Routing once, read back: distinct rows, and the baseline's per-expert token lists.
+        tpmoe::cuda::launch_route(rp, stream);
+        std::vector<int32_t> h_ids(size_t(T) * slots);
+        std::vector<float> h_w(size_t(T) * slots);
+        CUDA_CHECK(cudaMemcpyAsync(h_ids.data(), ids, h_ids.size() * 4, cudaMemcpyDeviceToHost, stream));
+        CUDA_CHECK(cudaMemcpyAsync(h_w.data(), wts, h_w.size() * 4, cudaMemcpyDeviceToHost, stream));
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        std::map<int, std::vector<int>> by_expert;  // expert -> pair indices
+        for (size_t i = 0; i < h_ids.size(); ++i) by_expert[h_ids[i]].push_back(int(i));
+        const int distinct = int(by_expert.size());
+        std::vector<int32_t> h_tok;
+        std::vector<float> h_wl;
+        std::vector<std::pair<int, std::pair<int, int>>> segs;  // expert, (offset, count)
+        for (auto& [e, pairs] : by_expert) {
+          segs.push_back({e, {int(h_tok.size()), int(pairs.size())}});
+          for (int pi : pairs) {
+            h_tok.push_back(pi / slots);
+            h_wl.push_back(h_w[pi]);
+          }
+        }
+        CUDA_CHECK(cudaMemcpy(tok_list, h_tok.data(), h_tok.size() * 4, cudaMemcpyHostToDevice));
+        CUDA_CHECK(cudaMemcpy(w_list, h_wl.data(), h_wl.size() * 4, cudaMemcpyHostToDevice));
+
+        const double weight_bytes = double(distinct) * 3.0 * I * H * 2;
+        const double act_bytes = double(T) * H * 2 * 2 + double(T) * kExperts * 4;
+        const double bytes = weight_bytes + act_bytes;
+        const double floor_us = bytes / bw * 1e6;
+
+        auto fused = [&](cudaStream_t s) {
+          tpmoe::cuda::launch_route(rp, s);
+          tpmoe::cuda::launch_moe(mp, s);
+        };
+        auto unfused = [&](cudaStream_t s) {
+          tpmoe::cuda::launch_route(rpu, s);
+          tpmoe::cuda::launch_moe(mpu, s);
+          gemm.linear(x, gate_up + size_t(kExperts) * gu_row, gu_buf, false, T, 2 * I, H, s);
+          tpmoe::cuda::launch_swiglu({gu_buf, a_buf, T, I, 1.702f, 7.0f}, s);
+          gemm.linear(a_buf, down + size_t(kExperts) * dn_row, ys_buf, false, T, H, I, s);
+          tpmoe::cuda::launch_add_bf16(ys_buf, out, int64_t(T) * H, s);
+        };
+        auto baseline = [&](cudaStream_t s) {
+          tpmoe::cuda::launch_route(rp, s);
+          CUDA_CHECK(cudaMemsetAsync(acc_buf, 0, size_t(T) * H * 4, s));
+          for (const auto& [e, seg] : segs) {
+            const int off = seg.first, n = seg.second;
+            tpmoe::cuda::launch_gather_rows(x, tok_list + off, n, H, xg_buf, s);
+            gemm.linear(xg_buf, gate_up + size_t(e) * gu_row, gu_buf, false, n, 2 * I, H, s);
+            tpmoe::cuda::launch_swiglu({gu_buf, a_buf, n, I, 1.702f, 7.0f}, s);
+            gemm.linear(a_buf, down + size_t(e) * dn_row, yf_buf, true, n, H, I, s);
+            tpmoe::cuda::launch_scatter_add_weighted(yf_buf, tok_list + off, w_list + off, n, H, acc_buf, s);
+          }
+          tpmoe::cuda::launch_f32_to_bf16(acc_buf, out, int64_t(T) * H, 1.f, s);
+        };
+
+        const double t_fused = timer.time(fused);
+        const double t_unfused = timer.time(unfused);
+        const double t_base = timer.time(baseline);
+        const double gbs = bytes / (t_fused * 1e-6) / 1e9;
+        const double pct = 100.0 * bytes / (t_fused * 1e-6) / bw;
+        const double ratio = t_fused / floor_us;
+        const double gain = 100.0 * (t_unfused - t_fused) / t_unfused;
+        const double vs_base = t_base / t_fused;
+        std::printf("%5d %5d %8d %9.1f %10.1f %8.0f %6.1f%% %9.1f %6.3f %11.1f %7.1f%% %11.1f %7.2fx\n", I, T,
+                    distinct, bytes / 1e6, t_fused, gbs, pct, floor_us, ratio, t_unfused, gain, t_base, vs_base);
+        std::fflush(stdout);
+        rows.push_back({{"inter", I},
+                        {"batch", T},
+                        {"distinct", distinct},
+                        {"bytes", bytes},
+                        {"us", t_fused},
+                        {"gb_per_s", gbs},
+                        {"pct_bw", pct},
+                        {"floor_us", floor_us},
+                        {"ratio", ratio},
+                        {"unfused_us", t_unfused},
+                        {"fused_gain_pct", gain},
+                        {"baseline_us", t_base},
+                        {"vs_baseline", vs_base}});
+
+        if (ablate) {
+          struct Variant {
+            const char* name;
+            tpmoe::cuda::MoeTuning t;
+          };
+          std::vector<Variant> vs;
+          auto v = defaults;
+          v.auto_select = false;
+          vs.push_back({"pdl+prefetch-always", v});
+          v = defaults;
+          v.pdl = false;
+          vs.push_back({"no-pdl", v});
+          v = defaults;
+          v.down_prefetch_bytes = 0;
+          vs.push_back({"no-prefetch", v});
+          v = defaults;
+          v.block_m = 32;
+          vs.push_back({"bm32", v});
+          v = defaults;
+          v.block_m = 16;
+          vs.push_back({"bm16", v});
+          v = defaults;
+          v.block_m = 8;
+          vs.push_back({"bm8", v});
+          char line[512];
+          int n = std::snprintf(line, sizeof line, "I=%d T=%d default %.1f", I, T, t_fused);
+          for (const auto& var : vs) {
+            tpmoe::cuda::set_moe_tuning(var.t);
+            n += std::snprintf(line + n, sizeof line - n, " | %s %.1f", var.name, timer.time(fused));
+          }
+          tpmoe::cuda::set_moe_tuning(defaults);
+          ablation_lines.push_back(line);
+        }
+      }
+      for (void* p : std::vector<void*>{gate_up, down, x, logits, bias, ids, wts, ids_u, wts_u, out, ws, gu_buf, a_buf,
+                                        ys_buf, xg_buf, yf_buf, acc_buf, tok_list, w_list})
+        CUDA_CHECK(cudaFree(p));
+    }
+    if (ablate) {
+      std::printf("\nablation (us, fused layer):\n");
+      for (const auto& l : ablation_lines) std::printf("%s\n", l.c_str());
+    }
+    if (!json_path.empty()) {
+      nlohmann::json doc = {{"device", prop.name}, {"copy_bandwidth_bytes_per_s", bw}, {"rows", rows}};
+      std::ofstream(json_path) << doc.dump(2) << "\n";
+    }
+    CUDA_CHECK(cudaFree(flush));
+    CUDA_CHECK(cudaStreamDestroy(stream));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_moe: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
