@@ -16,6 +16,8 @@ std::unique_ptr<Engine> make_cuda_engine(const io::Checkpoint& ckpt, const Engin
 std::unique_ptr<Engine> make_cuda_preset_engine(const ModelConfig& config, uint64_t seed, const EngineOptions& options);
 // Device-to-device copy bandwidth of the current GPU, bytes read + written per second.
 double cuda_copy_bandwidth();
+// `tpmoe bench-op allreduce`: fused all-reduce + RMSNorm vs NCCL per step size (allreduce_bench.cpp).
+void run_allreduce_bench(int tp);
 #endif
 
 }  // namespace tpmoe

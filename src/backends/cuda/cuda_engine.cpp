@@ -1,12 +1,13 @@
 // The engine on one GPU: device weights, a CudaOps per request (its KV cache sized for the request),
-// decode steps recorded as CUDA graphs per batch bucket. Tensor parallelism across GPUs needs the
-// NCCL communicator, which this file does not have yet: tp must be 1 here.
+// decode steps recorded as CUDA graphs per batch bucket. Tensor parallelism across GPUs (and runs
+// under mpirun) go to the NCCL engine in tp_engine.cpp: tp must be 1 here.
 #include <algorithm>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/device_weights.h"
 #include "backends/cuda/moe.cuh"
+#include "backends/cuda/tp_engine.h"
 #include "core/error.h"
 #include "engine/backends.h"
 #include "engine/generation.h"
@@ -101,12 +102,14 @@ class CudaEngine final : public Engine {
 }  // namespace
 
 std::unique_ptr<Engine> make_cuda_engine(const io::Checkpoint& ckpt, const EngineOptions& options) {
+  if (cuda::use_nccl_engine(options)) return cuda::make_tp_engine(ckpt, options);
   auto engine = std::make_unique<CudaEngine>(ckpt.config(), options, shared_expert_format_matches(ckpt));
   engine->load(ckpt);
   return engine;
 }
 
 std::unique_ptr<Engine> make_cuda_preset_engine(const ModelConfig& config, uint64_t seed, const EngineOptions& options) {
+  if (cuda::use_nccl_engine(options)) return cuda::make_tp_preset_engine(config, seed, options);
   auto engine = std::make_unique<CudaEngine>(config, options, true);
   engine->generate_preset(seed);
   return engine;

@@ -1,0 +1,296 @@
+// Fused all-reduce + residual + RMSNorm kernels: one-shot and two-shot (see allreduce.cuh for the
+// algorithms, the window layout and the bytes each moves).
+//
+// One CTA per row at a time (rows strided over the grid), H/8 threads rounded up to a warp (at most
+// 1024), each thread owning up to kMaxChunks 16-byte chunks of the row in registers: the row is
+// read from the peers once, normalised from registers, written once. The per-thread order of the
+// sum of squares and the block reduction mirror norm.cu's add_rmsnorm, so N = 1 reproduces it.
+//
+// The peer policy decides where rank r's window is and what a barrier is:
+//   NcclPeers:     ncclGetLsaPointer(window, 0, r); ncclLsaBarrierSession<ncclCoopCta> #blockIdx.x
+//                  with acquire-release order (a rank's window writes before the barrier are seen by
+//                  every peer after it; its reads of peers before it are done before peers rewrite).
+//   EmulatedPeers: N windows on one GPU; no barrier (the host runs phases one launch at a time).
+#include "backends/cuda/allreduce.cuh"
+
+#include <nccl_device.h>
+
+#include <algorithm>
+
+#include "backends/cuda/cuda_check.h"
+
+namespace tpmoe::cuda {
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kMaxThreads = 1024;
+constexpr int kMaxChunks = kMaxFusedHidden / 8 / kMaxThreads;  // 16-byte chunks per thread (1, 2 or 4)
+
+void check_arg(bool ok, const char* what) {
+  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what, __FILE__, __LINE__);
+}
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+struct EmulatedPeers {
+  char* base[kMaxRanks];
+  __device__ char* peer(int r) const { return base[r]; }
+  struct Barrier {
+    __device__ explicit Barrier(const EmulatedPeers&) {}
+    __device__ void sync() {}
+  };
+};
+
+struct NcclPeers {
+  ncclWindow_t window;
+  ncclDevComm comm;
+  __device__ char* peer(int r) const { return static_cast<char*>(ncclGetLsaPointer(window, 0, r)); }
+  struct Barrier {
+    ncclLsaBarrierSession<ncclCoopCta> session;
+    __device__ explicit Barrier(const NcclPeers& p) : session(ncclCoopCta(), p.comm, ncclTeamTagLsa(), blockIdx.x) {}
+    __device__ void sync() { session.sync(ncclCoopCta(), ::cuda::memory_order_acq_rel); }
+  };
+};
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32); every thread gets the total. Same shape as
+// norm.cu's, so the same inputs give the same bits.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_totals[kMaxThreads / kWarp];
+  __shared__ float total;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) warp_totals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < int(blockDim.x / kWarp) ? warp_totals[lane] : 0.f;
+    v = warp_sum(v);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  return total;
+}
+
+__device__ __forceinline__ void add_bf16x8(const uint4& raw, float (&f)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __bfloat1622float2(h[j]);
+    f[2 * j] += t.x;
+    f[2 * j + 1] += t.y;
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
+  return raw;
+}
+
+__device__ __forceinline__ int64_t rows_begin(int q, const AllreduceNormParams& p) {
+  return int64_t(q) * p.rows / p.nranks;
+}
+
+// Rank order sum of every rank's window partial, chunk c (8 elements) of `row`: ((p0 + p1) + p2)...
+template <class Peers>
+__device__ __forceinline__ void sum_partials(const Peers& peers, const AllreduceNormParams& p, int64_t row, int c,
+                                             float (&s)[8]) {
+  const int64_t chunk = row * (p.hidden / 8) + c;
+  const uint4 first = reinterpret_cast<const uint4*>(peers.peer(0) + p.window.partial_offset)[chunk];
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&first);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 t = __bfloat1622float2(h[j]);
+    s[2 * j] = t.x;
+    s[2 * j + 1] = t.y;
+  }
+  for (int r = 1; r < p.nranks; ++r)
+    add_bf16x8(reinterpret_cast<const uint4*>(peers.peer(r) + p.window.partial_offset)[chunk], s);
+}
+
+// Normalises one row whose new residual chunks `load(c, v)` produces (fp32, 8 at a time); writes the
+// residual and y of this rank and, when `publish` is set, the residual into this rank's window too.
+template <int kChunks, class Load>
+__device__ __forceinline__ void norm_row(const AllreduceNormParams& p, int64_t row, Load load, float* publish) {
+  const int H = p.hidden, nvec = H / 8;
+  float v[kChunks][8];
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int c = threadIdx.x + k * blockDim.x;
+    if (c < nvec) {
+      load(c, v[k]);
+      ss += v[k][0] * v[k][0] + v[k][1] * v[k][1] + v[k][2] * v[k][2] + v[k][3] * v[k][3];
+      ss += v[k][4] * v[k][4] + v[k][5] * v[k][5] + v[k][6] * v[k][6] + v[k][7] * v[k][7];
+    }
+  }
+  ss = block_sum(ss);
+  const float inv = 1.f / sqrtf(ss / float(H) + p.eps);
+  float4* res4 = reinterpret_cast<float4*>(p.residual + row * H);
+  float4* pub4 = publish ? reinterpret_cast<float4*>(publish + row * H) : nullptr;
+  const float4* w4 = reinterpret_cast<const float4*>(p.weight);
+  uint4* out = reinterpret_cast<uint4*>(p.out + row * H);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int c = threadIdx.x + k * blockDim.x;
+    if (c < nvec) {
+      const float4 r0{v[k][0], v[k][1], v[k][2], v[k][3]}, r1{v[k][4], v[k][5], v[k][6], v[k][7]};
+      res4[2 * c] = r0;
+      res4[2 * c + 1] = r1;
+      if (pub4) {
+        pub4[2 * c] = r0;
+        pub4[2 * c + 1] = r1;
+      }
+      const float4 w0 = __ldg(&w4[2 * c]), w1 = __ldg(&w4[2 * c + 1]);
+      const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
+      float y[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) y[j] = v[k][j] * inv * (1.f + w[j]);
+      out[c] = pack_bf16x8(y);
+    }
+  }
+}
+
+// residual chunk + rank-order sum of the partials.
+template <class Peers>
+struct LoadSum {
+  const Peers& peers;
+  const AllreduceNormParams& p;
+  int64_t row;
+  __device__ void operator()(int c, float (&v)[8]) const {
+    float s[8];
+    sum_partials(peers, p, row, c, s);
+    const float4* res4 = reinterpret_cast<const float4*>(p.residual + row * p.hidden);
+    const float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
+    v[0] = r0.x + s[0], v[1] = r0.y + s[1], v[2] = r0.z + s[2], v[3] = r0.w + s[3];
+    v[4] = r1.x + s[4], v[5] = r1.y + s[5], v[6] = r1.z + s[6], v[7] = r1.w + s[7];
+  }
+};
+
+// Copies this rank's partial row into its window (where peers read it).
+template <class Peers>
+__device__ __forceinline__ void publish_partial(const Peers& peers, const AllreduceNormParams& p, int64_t row) {
+  const int nvec = p.hidden / 8;
+  const uint4* src = reinterpret_cast<const uint4*>(p.partial) + row * nvec;
+  uint4* dst = reinterpret_cast<uint4*>(peers.peer(p.rank) + p.window.partial_offset) + row * nvec;
+  for (int c = threadIdx.x; c < nvec; c += blockDim.x) dst[c] = src[c];
+}
+
+template <int kChunks, class Peers>
+__global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  typename Peers::Barrier barrier(peers);
+  if (phases & kPhaseCopy) {
+    for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) publish_partial(peers, p, row);
+    barrier.sync();  // after this: every rank's rows of this CTA are in its window
+  }
+  if (phases & kPhaseReduce) {
+    for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x)
+      norm_row<kChunks>(p, row, LoadSum<Peers>{peers, p, row}, nullptr);
+    barrier.sync();  // completion: no peer reads this rank's window any more
+  }
+}
+
+template <int kChunks, class Peers>
+__global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  typename Peers::Barrier barrier(peers);
+  // CTA b handles local row j of every owner's range where j % gridDim.x == b, in every phase.
+  if (phases & kPhaseCopy) {
+    for (int q = 0; q < p.nranks; ++q) {
+      const int64_t begin = rows_begin(q, p), count = rows_begin(q + 1, p) - begin;
+      for (int64_t j = blockIdx.x; j < count; j += gridDim.x) publish_partial(peers, p, begin + j);
+    }
+    barrier.sync();  // after this: every rank's partial rows of this CTA are in its window
+  }
+  if (phases & kPhaseReduce) {
+    const int64_t begin = rows_begin(p.rank, p), count = rows_begin(p.rank + 1, p) - begin;
+    float* publish = reinterpret_cast<float*>(peers.peer(p.rank) + p.window.residual_offset);
+    for (int64_t j = blockIdx.x; j < count; j += gridDim.x)
+      norm_row<kChunks>(p, begin + j, LoadSum<Peers>{peers, p, begin + j}, publish);
+    barrier.sync();  // after this: every owner's new residual rows of this CTA are in its window
+  }
+  if (phases & kPhaseGather) {
+    for (int q = 0; q < p.nranks; ++q) {
+      if (q == p.rank) continue;
+      const int64_t begin = rows_begin(q, p), count = rows_begin(q + 1, p) - begin;
+      const float* owner = reinterpret_cast<const float*>(peers.peer(q) + p.window.residual_offset);
+      for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
+        const float4* src = reinterpret_cast<const float4*>(owner + (begin + j) * p.hidden);
+        norm_row<kChunks>(
+            p, begin + j,
+            [&](int c, float (&v)[8]) {
+              const float4 r0 = src[2 * c], r1 = src[2 * c + 1];
+              v[0] = r0.x, v[1] = r0.y, v[2] = r0.z, v[3] = r0.w, v[4] = r1.x, v[5] = r1.y, v[6] = r1.z, v[7] = r1.w;
+            },
+            nullptr);
+      }
+    }
+    barrier.sync();  // completion: no peer reads this rank's window any more
+  }
+}
+
+// Depends only on (algo, rows, nranks): the same grid on every rank.
+int grid_size(AllreduceAlgo algo, int rows, int nranks) {
+  const int rows_per_cta = algo == AllreduceAlgo::kOneShot ? rows : (rows + nranks - 1) / nranks;
+  return std::max(1, std::min(rows_per_cta, kMaxAllreduceBlocks));
+}
+
+int block_size(int hidden) {
+  const int threads = (hidden / 8 + kWarp - 1) / kWarp * kWarp;
+  return std::min(threads, kMaxThreads);
+}
+
+template <int kChunks, class Peers>
+void launch_chunks(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, const Peers& peers, int grid,
+                   int threads, cudaStream_t stream) {
+  if (algo == AllreduceAlgo::kOneShot) oneshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
+  else twoshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
+}
+
+template <class Peers>
+void launch(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, const Peers& peers, cudaStream_t stream) {
+  check_arg(allreduce_fused_supported(p), "allreduce_add_rmsnorm: sizes or pointers the fused kernels do not take");
+  const int grid = grid_size(algo, p.rows, p.nranks), threads = block_size(p.hidden);
+  const int chunks = (p.hidden / 8 + threads - 1) / threads;
+  switch (chunks) {
+    case 1: launch_chunks<1>(p, algo, phases, peers, grid, threads, stream); break;
+    case 2: launch_chunks<2>(p, algo, phases, peers, grid, threads, stream); break;
+    case 3:
+    case 4: launch_chunks<kMaxChunks>(p, algo, phases, peers, grid, threads, stream); break;
+    default: check_arg(false, "allreduce_add_rmsnorm: hidden size above kMaxFusedHidden");
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+bool allreduce_fused_supported(const AllreduceNormParams& p) {
+  return p.hidden > 0 && p.hidden % 8 == 0 && p.hidden <= kMaxFusedHidden && p.rows >= 0 &&
+         p.rows <= p.window.max_rows && p.hidden == p.window.hidden && p.nranks >= 1 && p.nranks <= kMaxRanks &&
+         p.rank >= 0 && p.rank < p.nranks && p.partial && p.residual && p.weight && p.out && aligned16(p.partial) &&
+         aligned16(p.residual) && aligned16(p.weight) && aligned16(p.out);
+}
+
+void launch_allreduce_norm_emulated(const AllreduceNormParams& p, AllreduceAlgo algo, int phases,
+                                    void* const* windows, cudaStream_t stream) {
+  if (p.rows == 0) return;
+  EmulatedPeers peers{};
+  for (int r = 0; r < p.nranks && r < kMaxRanks; ++r) peers.base[r] = static_cast<char*>(windows[r]);
+  launch(p, algo, phases, peers, stream);
+}
+
+void launch_allreduce_norm_nccl(const AllreduceNormParams& p, AllreduceAlgo algo, ncclWindow_t window,
+                                const ncclDevComm& dev_comm, cudaStream_t stream) {
+  // rows == 0 on every rank alike (the same step): nobody enters a barrier.
+  if (p.rows == 0) return;
+  launch(p, algo, kPhasesAll, NcclPeers{window, dev_comm}, stream);
+}
+
+}  // namespace tpmoe::cuda
