@@ -53,8 +53,31 @@ EngineOptions cuda_options(bool shared_fusion = true) {
   return o;
 }
 
-// Per-position relative L2 of [P, V] logits: a routing decision that flips between bf16 and fp32
-// (two experts within rounding of each other) shows up as one or two positions far above the rest.
+// Prompt positions whose logits a bf16 engine cannot be held to: there the fp32 reference makes a
+// discrete choice by less than bf16 can resolve. The lightning indexer of layer 2 keeps one key block
+// over another by 0.00929 at position 37 (5.5017 vs 5.4924) and by 0.01435 at position 16 (7.8114 vs
+// 7.7970): 0.17% and 0.18% of the score, under bf16's 0.39% spacing (2^-8) for the hidden state the
+// scores come from. Measured with the CPU oracle (select_blocks) on this fixture; every other block
+// choice and every router top-k boundary of the prompt has a margin of 1% or more. A bf16 engine may
+// keep the other block there, and the whole position's logits move (seen: 0.2 at those positions
+// with shared-expert fusion on, under 0.01 everywhere else).
+const std::vector<int> kUnresolvablePositions = {16, 37};
+
+// Relative L2 over the [P, V] prefill logits, leaving out the positions above.
+double prefill_error_resolvable(const std::vector<float>& got, const std::vector<float>& want, int V) {
+  std::vector<float> a, b;
+  for (size_t p = 0; p * V < want.size(); ++p) {
+    if (std::find(kUnresolvablePositions.begin(), kUnresolvablePositions.end(), int(p)) !=
+        kUnresolvablePositions.end())
+      continue;
+    a.insert(a.end(), got.begin() + p * V, got.begin() + (p + 1) * V);
+    b.insert(b.end(), want.begin() + p * V, want.begin() + (p + 1) * V);
+  }
+  return test::relative_l2(a, b);
+}
+
+// Per-position relative L2 of [P, V] logits, worst first: a flipped discrete choice shows up as one
+// or two positions far above the rest.
 void print_worst_positions(const char* what, const std::vector<float>& got, const std::vector<float>& want, int V) {
   std::vector<std::pair<double, int>> errs;
   for (size_t p = 0; p * V < want.size(); ++p)
@@ -78,10 +101,11 @@ TEST(CudaModel, FixtureMatchesReference) {
   for (bool fused : {true, false}) {
     auto engine = Engine::from_checkpoint(dir, cuda_options(fused));
     const ModelRun r = run_model(*engine, prompts, generated, G);
-    const double prefill_err = test::relative_l2(r.prefill, ref_prefill);
+    const double prefill_all = test::relative_l2(r.prefill, ref_prefill);
+    const double prefill_err = prefill_error_resolvable(r.prefill, ref_prefill, V);
     const double step_err = test::relative_l2(r.steps, io::to_f32(*ref.find("step_logits")));
-    std::printf("GPU fixture, shared-expert fusion %s: relative L2 prefill %.3g, steps %.3g\n", fused ? "on" : "off",
-                prefill_err, step_err);
+    std::printf("GPU fixture, shared-expert fusion %s: relative L2 prefill %.3g (all positions %.3g), steps %.3g\n",
+                fused ? "on" : "off", prefill_err, prefill_all, step_err);
     print_worst_positions("prefill vs reference", r.prefill, ref_prefill, V);
     EXPECT_LT(prefill_err, kModelTolerance);
     EXPECT_LT(step_err, kModelTolerance);
@@ -89,7 +113,7 @@ TEST(CudaModel, FixtureMatchesReference) {
   }
   // The two GPU paths against each other, within the same bound.
   print_worst_positions("fused vs unfused prefill", runs[0].prefill, runs[1].prefill, V);
-  EXPECT_LT(test::relative_l2(runs[0].prefill, runs[1].prefill), kModelTolerance);
+  EXPECT_LT(prefill_error_resolvable(runs[0].prefill, runs[1].prefill, V), kModelTolerance);
   EXPECT_LT(test::relative_l2(runs[0].steps, runs[1].steps), kModelTolerance);
 }
 
@@ -121,6 +145,35 @@ TEST(CudaModel, DevicePresetMatchesCpuPreset) {
   std::printf("GPU vs CPU, tiny preset: relative L2 prefill %.3g, steps %.3g\n", prefill_err, step_err);
   EXPECT_LT(prefill_err, kModelTolerance);
   EXPECT_LT(step_err, kModelTolerance);
+}
+
+// tp 1 through the NCCL engine (TPMOE_FORCE_NCCL=1: communicator, symmetric window, device
+// communicator, rank check, graphs recorded with the communicator present) reproduces the
+// single-GPU engine: the same weights and kernels, so the logits agree to the last bit.
+TEST(CudaModel, NcclEngineAtTp1MatchesSingleGpu) {
+  TPMOE_REQUIRE_GPU();
+  const auto dir = test::fixtures_dir() / "m3-tiny";
+  const auto ref = io::SafetensorsSet::open_file(dir / "reference.safetensors");
+  const auto prompts = rows_i64(*ref.find("input_ids"));
+  const auto generated = rows_i64(*ref.find("generated_ids"));
+  const int G = int(generated[0].size());
+  auto single = Engine::from_checkpoint(dir, cuda_options());
+  const ModelRun a = run_model(*single, prompts, generated, G);
+  setenv("TPMOE_FORCE_NCCL", "1", 1);
+  ModelRun b;
+  try {
+    auto nccl = Engine::from_checkpoint(dir, cuda_options());
+    b = run_model(*nccl, prompts, generated, G);
+  } catch (...) {
+    unsetenv("TPMOE_FORCE_NCCL");
+    throw;
+  }
+  unsetenv("TPMOE_FORCE_NCCL");
+  const double prefill_err = test::relative_l2(a.prefill, b.prefill), step_err = test::relative_l2(a.steps, b.steps);
+  std::printf("NCCL engine at tp 1 vs single GPU: relative L2 prefill %.3g, steps %.3g\n", prefill_err, step_err);
+  EXPECT_LT(prefill_err, 1e-6);
+  EXPECT_LT(step_err, 1e-6);
+  EXPECT_EQ(a.generated, b.generated);
 }
 
 }  // namespace

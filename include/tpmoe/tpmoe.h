@@ -39,6 +39,9 @@ struct GenerateResult {
   std::vector<std::vector<float>> step_logits;
   std::vector<std::vector<int32_t>> generated;  // [b][G]: argmax of each step
   double prefill_seconds = 0, decode_seconds = 0;
+  // [G-1]: wall time of each decode step (step 1 onward), host-synchronised by its argmax; prefill_seconds
+  // is the time to the first token.
+  std::vector<double> step_seconds;
 };
 
 // Copy bandwidth of the device's memory in bytes/s (bytes read + bytes written), measured now with a

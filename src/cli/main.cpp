@@ -8,6 +8,8 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "engine/backends.h"
+#include "engine/bench.h"
 #include "engine/report.h"
 #include "io/checkpoint.h"
 #include "model/presets.h"
@@ -218,38 +220,42 @@ void run_inspect(const InspectFlags& f) {
 
 struct BenchFlags {
   ModelFlags model;
-  std::string batches = "1,4,16";
-  int prompt_len = 32, new_tokens = 32;
+  std::string batches;  // default: 1,16,64 on cuda, 1,4,16 on cpu
+  std::optional<int> prompt_len, new_tokens;
+  int warmup = 1;
+  bool compare_fusions = false;
+  std::string json;
 };
 
 void run_bench(const BenchFlags& f) {
-  auto engine = f.model.load(f.model.options());
-  const double bandwidth = measure_copy_bandwidth(f.model.device);
-  fmt::print("decode benchmark: {}, device {}, tp {}, prompt {} tokens, {} new tokens\n",
-             f.model.model_dir.empty() ? "preset " + (f.model.preset.empty() ? std::string(kDefaultPreset) : f.model.preset)
-                                       : f.model.model_dir,
-             f.model.device, f.model.tp, f.prompt_len, f.new_tokens);
-  fmt::print("weights {:.2f} GiB per rank; measured copy bandwidth {:.0f} GB/s (read + write)\n",
-             double(engine->weight_bytes_per_rank()) / (1ull << 30), bandwidth / 1e9);
-  fmt::print("floor = weight bytes read per step (routed experts expected under uniform routing) / bandwidth\n");
-  fmt::print("{:>6} {:>11} {:>13} {:>11} {:>13} {:>10} {:>8}\n", "batch", "prefill ms", "step ms", "tokens/s",
-             "GB/step", "floor ms", "ratio");
-  for (int batch : parse_int_list(f.batches, "--batch")) {
-    GenerateRequest req;
-    for (int b = 0; b < batch; ++b) {
-      std::vector<int32_t> p;
-      for (int i = 0; i < f.prompt_len; ++i) p.push_back(int32_t(1 + (b * 31 + i * 7) % 500));
-      req.prompts.push_back(p);
-    }
-    req.max_new_tokens = f.new_tokens;
-    req.return_step_logits = false;
-    const GenerateResult r = engine->generate(req);
-    const int steps = f.new_tokens - 1;
-    const double step_s = r.decode_seconds / steps, bytes = engine->decode_weight_bytes(batch);
-    const double floor_s = bytes / bandwidth;
-    fmt::print("{:>6} {:>11.2f} {:>13.3f} {:>11.1f} {:>13.3f} {:>10.3f} {:>8.2f}\n", batch, r.prefill_seconds * 1e3,
-               step_s * 1e3, batch / step_s, bytes / 1e9, floor_s * 1e3, step_s / floor_s);
-  }
+  TPMOE_CHECK(f.model.model_dir.empty() || f.model.preset.empty(), "give --model or --preset, not both");
+  BenchOptions o;
+  o.model_dir = f.model.model_dir;
+  o.preset = f.model.preset.empty() ? std::string(kDefaultPreset) : f.model.preset;
+  o.layers = f.model.layers;
+  o.seed = f.model.seed;
+  o.device = f.model.device;
+  o.tp = f.model.tp;
+  o.threads = f.model.threads;
+  if (!f.batches.empty()) o.batches = parse_int_list(f.batches, "--batch");
+  const bool cuda = o.device == "cuda";
+  o.prompt_len = f.prompt_len.value_or(cuda ? 128 : 32);
+  o.new_tokens = f.new_tokens.value_or(cuda ? 64 : 32);
+  o.warmup = f.warmup;
+  const EngineOptions eo = f.model.options();
+  o.settings = f.compare_fusions ? all_fusion_settings()
+                                 : std::vector<FusionSetting>{{eo.shared_expert_fusion, eo.allreduce_fusion}};
+  if (o.model_dir.empty() && f.model.preset.empty() && !f.model.layers)
+    fmt::print("embedded default: preset '{}'\n", kDefaultPreset);
+  const BenchReport report = tpmoe::run_bench(o);
+  fmt::print("{}", format_bench(report));
+  if (f.json.empty()) return;
+  const std::string text = bench_json(report).dump(2) + "\n";
+  std::FILE* out = std::fopen(f.json.c_str(), "w");
+  TPMOE_CHECK(out, "--json: cannot write {}", f.json);
+  const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
+  TPMOE_CHECK(std::fclose(out) == 0 && written, "--json: writing {} failed", f.json);
+  fmt::print("wrote {}\n", f.json);
 }
 
 }  // namespace
@@ -287,9 +293,23 @@ int main(int argc, char** argv) {
   BenchFlags bf;
   auto* b = app.add_subcommand("bench", "decode tokens/s (embedded default model without --model)");
   bf.model.add_to(b);
-  b->add_option("--batch", bf.batches, "comma-separated batch sizes");
-  b->add_option("--prompt-len", bf.prompt_len, "prompt tokens per sequence")->check(CLI::PositiveNumber);
-  b->add_option("--new-tokens", bf.new_tokens, "generated tokens per sequence")->check(CLI::Range(2, 1 << 20));
+  b->add_option("--batch", bf.batches, "comma-separated batch sizes (default: 1,16,64 on cuda, 1,4,16 on cpu)");
+  b->add_option("--prompt-len", bf.prompt_len, "prompt tokens per sequence (default: 128 on cuda, 32 on cpu)")
+      ->check(CLI::PositiveNumber);
+  b->add_option("--new-tokens", bf.new_tokens, "generated tokens per sequence (default: 64 on cuda, 32 on cpu)")
+      ->check(CLI::Range(3, 1 << 20));
+  b->add_option("--warmup", bf.warmup, "warm-up generates per setting and batch, not timed")
+      ->check(CLI::NonNegativeNumber);
+  b->add_flag("--compare-fusions", bf.compare_fusions, "run all four fusion settings and print each fusion's gain")
+      ->excludes(b->get_option("--shared-expert-fusion"))
+      ->excludes(b->get_option("--allreduce-fusion"));
+  b->add_option("--json", bf.json, "also write the table (full precision) to this JSON file");
+
+  std::string bench_op;
+  int bench_op_tp = 1;
+  auto* bo = app.add_subcommand("bench-op", "microseconds of one op on the GPU per size: allreduce");
+  bo->add_option("op", bench_op, "allreduce")->required()->check(CLI::IsMember({"allreduce"}));
+  bo->add_option("--tp", bench_op_tp, "ranks, one GPU each (under mpirun: the processes)")->check(CLI::PositiveNumber);
 
   try {
     app.parse(argc, argv);
@@ -301,6 +321,11 @@ int main(int argc, char** argv) {
     else if (*m) run_make_model(mk);
     else if (*i) run_inspect(in);
     else if (*b) run_bench(bf);
+#ifdef TPMOE_WITH_CUDA
+    else if (*bo) run_allreduce_bench(bench_op_tp);
+#else
+    else if (*bo) TPMOE_FAIL("bench-op {}: this build has no CUDA backend", bench_op);
+#endif
   } catch (const Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;

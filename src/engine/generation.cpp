@@ -97,7 +97,10 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
   // Decode: one token per sequence per step. A recording backend gets the batch padded to its
   // bucket; the padding rows decode token 0 at position 0 in slots of their own and are ignored.
   const int rows = ops.records_steps() ? decode_bucket(B) : B;
+  std::vector<double> step_seconds;
+  step_seconds.reserve(size_t(std::max(0, G - 1)));
   for (int i = 1; i < G; ++i) {
+    const auto step_start = std::chrono::steady_clock::now();
     StepTokens d;
     for (int b = 0; b < rows; ++b) {
       const bool real = b < B;
@@ -115,6 +118,7 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
       host.resize(size_t(B) * V);
       out->step_logits.push_back(std::move(host));
     }
+    step_seconds.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count());
   }
   const auto t2 = std::chrono::steady_clock::now();
   if (out) {
@@ -122,6 +126,7 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
     out->generated = std::move(generated);
     out->prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
     out->decode_seconds = std::chrono::duration<double>(t2 - t1).count();
+    out->step_seconds = std::move(step_seconds);
   }
 }
 

@@ -1,0 +1,316 @@
+#include "engine/bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <memory>
+#include <numeric>
+
+#include "core/error.h"
+#include "engine/report.h"
+#include "model/fusion_plan.h"
+#include "model/parallel.h"
+#include "model/presets.h"
+#include "tpmoe/tpmoe.h"
+
+namespace tpmoe {
+
+namespace {
+
+// Percentile with linear interpolation between order statistics (numpy's default), q in [0, 100].
+double percentile(std::vector<double> v, double q) {
+  std::sort(v.begin(), v.end());
+  const double pos = q / 100.0 * double(v.size() - 1);
+  const size_t lo = size_t(std::floor(pos)), hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (pos - double(lo)) * (v[hi] - v[lo]);
+}
+
+GenerateRequest bench_request(int batch, int prompt_len, int new_tokens) {
+  GenerateRequest req;
+  for (int b = 0; b < batch; ++b) {
+    std::vector<int32_t> p;
+    for (int i = 0; i < prompt_len; ++i) p.push_back(int32_t(1 + (b * 31 + i * 7) % 500));
+    req.prompts.push_back(std::move(p));
+  }
+  req.max_new_tokens = new_tokens;
+  req.return_step_logits = false;
+  return req;
+}
+
+// Weight bytes one decode step reads on rank 0 of a preset with `layers` layers (bf16 matrices):
+// the numerator of the extrapolation to the full model.
+double preset_step_bytes(const std::string& preset, std::optional<int> layers, int tp, const FusionSetting& s,
+                         int batch) {
+  const ModelConfig config = preset_config(preset, layers);
+  ParallelLayout layout;
+  layout.tp = tp;
+  const FusionPlan plan = build_fusion_plan(config, layout, {s.allreduce_fusion, s.shared_expert_fusion});
+  return decode_weight_bytes(config, RankShard::make(config, layout, 0), plan, batch, DType::kBF16);
+}
+
+std::string on_off(bool on) { return on ? "on" : "off"; }
+
+std::string format_gain(const FusionGain& g) {
+  if (!g.gain) return g.note;
+  return fmt::format("{:+.1f}%", *g.gain * 100.0);
+}
+
+}  // namespace
+
+std::string FusionSetting::label() const { return on_off(shared_expert_fusion) + "/" + on_off(allreduce_fusion); }
+
+std::vector<int> default_batches(const std::string& device) {
+  return device == "cuda" ? std::vector<int>{1, 16, 64} : std::vector<int>{1, 4, 16};
+}
+
+std::vector<FusionSetting> all_fusion_settings() {
+  return {{true, true}, {false, true}, {true, false}, {false, false}};
+}
+
+std::vector<FusionGain> fusion_gains(const std::vector<BenchRow>& rows, int tp) {
+  auto find = [&](bool se, bool ar, int batch) -> const BenchRow* {
+    for (const auto& r : rows)
+      if (r.shared_expert_fusion == se && r.allreduce_fusion == ar && r.batch == batch) return &r;
+    return nullptr;
+  };
+  std::vector<int> batches;
+  for (const auto& r : rows)
+    if (std::find(batches.begin(), batches.end(), r.batch) == batches.end()) batches.push_back(r.batch);
+  std::vector<FusionGain> gains;
+  for (int batch : batches) {
+    for (bool ar : {true, false}) {
+      const BenchRow *on = find(true, ar, batch), *off = find(false, ar, batch);
+      if (on && off) gains.push_back({"shared_expert", ar, batch, on->tokens_per_s / off->tokens_per_s - 1.0, ""});
+    }
+    for (bool se : {true, false}) {
+      const BenchRow *on = find(se, true, batch), *off = find(se, false, batch);
+      if (!on || !off) continue;
+      // At tp 1 there is no all-reduce: both plans are the same, and a difference is noise.
+      if (tp == 1)
+        gains.push_back({"allreduce", se, batch, std::nullopt, "n/a at tp 1"});
+      else
+        gains.push_back({"allreduce", se, batch, on->tokens_per_s / off->tokens_per_s - 1.0, ""});
+    }
+  }
+  return gains;
+}
+
+BenchReport run_bench(const BenchOptions& o) {
+  TPMOE_CHECK(o.new_tokens >= 3, "bench: --new-tokens must be at least 3 (the first decode step is not timed), got {}",
+              o.new_tokens);
+  TPMOE_CHECK(o.prompt_len >= 1, "bench: --prompt-len must be at least 1, got {}", o.prompt_len);
+  TPMOE_CHECK(o.warmup >= 0, "bench: --warmup must be 0 or more, got {}", o.warmup);
+  TPMOE_CHECK(!o.settings.empty(), "bench: no fusion setting to run");
+  const std::vector<int> batches = o.batches.empty() ? default_batches(o.device) : o.batches;
+  for (int b : batches) TPMOE_CHECK(b >= 1, "bench: --batch sizes must be positive, got {}", b);
+
+  BenchReport report;
+  report.device = o.device;
+  report.tp = o.tp;
+  report.prompt_len = o.prompt_len;
+  report.new_tokens = o.new_tokens;
+  report.warmup = o.warmup;
+  if (o.model_dir.empty()) {
+    const ModelConfig config = preset_config(o.preset, o.layers);
+    report.model = fmt::format("preset {}, {} layers", o.preset, config.num_layers);
+    // --preset m3 --layers N: full-width layers, N of the real 60; extrapolate to the full model.
+    const int full = preset_config(o.preset).num_layers;
+    if (o.preset == "m3" && config.num_layers != full) {
+      report.full_layers = full;
+      report.extrapolation = fmt::format(
+          "tok/s @{0}L (extrapolated) = batch / (TPOT mean * B{0}/B{1}), B = weight bytes a step reads "
+          "(decode_weight_bytes) with {0} and {1} layers: assumes the {1}-layer ratio to the floor holds at {0}",
+          full, config.num_layers);
+    }
+  } else {
+    report.model = o.model_dir;
+  }
+
+  auto progress = [&](const std::string& line) {
+    if (!o.progress) return;
+    fmt::print(o.progress, "{}\n", line);
+    std::fflush(o.progress);
+  };
+
+  progress(fmt::format("measuring {} copy bandwidth ...", o.device));
+  const double bandwidth = measure_copy_bandwidth(o.device);
+  report.copy_bandwidth_gbs = bandwidth / 1e9;
+
+  const int total = int(o.settings.size() * batches.size());
+  int done = 0;
+  for (const FusionSetting& s : o.settings) {
+    EngineOptions eo;
+    eo.tp = o.tp;
+    eo.device = o.device;
+    eo.threads = o.threads;
+    eo.shared_expert_fusion = s.shared_expert_fusion;
+    eo.allreduce_fusion = s.allreduce_fusion;
+    progress(fmt::format("[{}/{}] fusions {}: building the engine ({}) ...", done + 1, total, s.label(), report.model));
+    std::unique_ptr<Engine> engine = o.model_dir.empty() ? Engine::from_preset(o.preset, o.layers, o.seed, eo)
+                                                         : Engine::from_checkpoint(o.model_dir, eo);
+    report.weights_gib_per_rank.push_back(double(engine->weight_bytes_per_rank()) / double(1ull << 30));
+    for (int batch : batches) {
+      ++done;
+      progress(fmt::format("[{}/{}] fusions {} batch {}: {} warm-up + 1 measured generate ...", done, total, s.label(),
+                           batch, o.warmup));
+      const GenerateRequest req = bench_request(batch, o.prompt_len, o.new_tokens);
+      for (int w = 0; w < o.warmup; ++w) engine->generate(req);
+      const GenerateResult r = engine->generate(req);
+      TPMOE_CHECK(int(r.step_seconds.size()) == o.new_tokens - 1, "bench: {} decode step times for {} steps",
+                  r.step_seconds.size(), o.new_tokens - 1);
+      const std::vector<double> tpot(r.step_seconds.begin() + 1, r.step_seconds.end());
+
+      BenchRow row;
+      row.setting = s.label();
+      row.shared_expert_fusion = s.shared_expert_fusion;
+      row.allreduce_fusion = s.allreduce_fusion;
+      row.batch = batch;
+      row.ttft_ms = r.prefill_seconds * 1e3;
+      row.first_step_ms = r.step_seconds.front() * 1e3;
+      const double mean_s = std::accumulate(tpot.begin(), tpot.end(), 0.0) / double(tpot.size());
+      row.tpot_mean_ms = mean_s * 1e3;
+      row.tpot_p50_ms = percentile(tpot, 50) * 1e3;
+      row.tpot_p99_ms = percentile(tpot, 99) * 1e3;
+      row.timed_steps = int(tpot.size());
+      row.tokens_per_s = batch / mean_s;
+      const double bytes = engine->decode_weight_bytes(batch);
+      row.gb_per_step = bytes / 1e9;
+      row.floor_ms = bytes / bandwidth * 1e3;
+      row.ratio = row.tpot_mean_ms / row.floor_ms;
+      if (report.full_layers > 0) {
+        const double scale = preset_step_bytes(o.preset, std::nullopt, o.tp, s, batch) /
+                             preset_step_bytes(o.preset, o.layers, o.tp, s, batch);
+        row.tokens_per_s_full = batch / (mean_s * scale);
+      }
+      progress(fmt::format("[{}/{}] fusions {} batch {}: {:.1f} tokens/s, TPOT {:.3f} ms", done, total, s.label(),
+                           batch, row.tokens_per_s, row.tpot_mean_ms));
+      report.rows.push_back(row);
+    }
+    engine.reset();  // before the next setting's engine is built
+  }
+  if (o.settings.size() > 1) report.gains = fusion_gains(report.rows, o.tp);
+  return report;
+}
+
+std::string format_bench(const BenchReport& rep) {
+  std::string s;
+  s += fmt::format("decode benchmark: {}, device {}, tp {}, prompt {} tokens, {} new tokens per sequence\n", rep.model,
+                   rep.device, rep.tp, rep.prompt_len, rep.new_tokens);
+  s +=
+      fmt::format("weights per rank: {:.4g} GiB", rep.weights_gib_per_rank.empty() ? 0.0 : rep.weights_gib_per_rank[0]);
+  const auto& w = rep.weights_gib_per_rank;
+  if (std::adjacent_find(w.begin(), w.end(), std::not_equal_to<>()) != w.end())  // fusion changes what is stored
+    s += fmt::format(" ({:.4g} GiB per setting)", fmt::join(w, ", "));
+  s += fmt::format("; measured copy bandwidth {:.0f} GB/s (read + write)\n", rep.copy_bandwidth_gbs);
+  s += fmt::format(
+      "protocol: {} warm-up generate(s) per row, then one measured generate; TTFT = prefill of the batch; "
+      "step1 = first decode step (records the CUDA graph on cuda), not in TPOT; TPOT over the {} steps after it; "
+      "tokens/s = batch / TPOT mean\n",
+      rep.warmup, rep.new_tokens - 2);
+  s += "floor = weight bytes read per step (routed experts expected under uniform routing) / bandwidth; "
+       "ratio = TPOT mean / floor\n";
+  s += "setting = shared-expert fusion / all-reduce fusion\n";
+  if (rep.full_layers > 0) s += rep.extrapolation + "\n";
+
+  const std::string full_col = rep.full_layers > 0 ? fmt::format("tok/s @{}L (extrapolated)", rep.full_layers) : "";
+  s +=
+      fmt::format("{:>7} {:>6} {:>10} {:>9} {:>10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>7}", "setting", "batch", "TTFT ms",
+                  "step1 ms", "TPOT mean", "TPOT p50", "TPOT p99", "tokens/s", "GB/step", "floor ms", "ratio");
+  if (!full_col.empty()) s += fmt::format(" {:>26}", full_col);
+  s += "\n";
+  for (const BenchRow& r : rep.rows) {
+    s += fmt::format("{:>7} {:>6} {:>10.2f} {:>9.3f} {:>10.3f} {:>9.3f} {:>9.3f} {:>11.1f} {:>9.3f} {:>9.3f} {:>7.2f}",
+                     r.setting, r.batch, r.ttft_ms, r.first_step_ms, r.tpot_mean_ms, r.tpot_p50_ms, r.tpot_p99_ms,
+                     r.tokens_per_s, r.gb_per_step, r.floor_ms, r.ratio);
+    if (r.tokens_per_s_full) s += fmt::format(" {:>26.1f}", *r.tokens_per_s_full);
+    s += "\n";
+  }
+  if (rep.gains.empty()) return s;
+
+  // One row per batch; a column per (fusion, other fusion held at).
+  s += "fusion gains: tokens/s with the fusion on / with it off - 1, the other fusion held as named\n";
+  const std::vector<std::pair<std::string, bool>> cols = {
+      {"shared_expert", true}, {"shared_expert", false}, {"allreduce", true}, {"allreduce", false}};
+  auto col_name = [](const std::string& f, bool other) {
+    return f == "shared_expert" ? fmt::format("shared-expert (all-reduce {})", on_off(other))
+                                : fmt::format("all-reduce (shared-expert {})", on_off(other));
+  };
+  std::vector<std::pair<std::string, bool>> present;
+  for (const auto& c : cols)
+    for (const auto& g : rep.gains)
+      if (g.fusion == c.first && g.other_on == c.second) {
+        present.push_back(c);
+        break;
+      }
+  s += fmt::format("{:>6}", "batch");
+  for (const auto& c : present) s += fmt::format(" {:>31}", col_name(c.first, c.second));
+  s += "\n";
+  std::vector<int> batches;
+  for (const auto& g : rep.gains)
+    if (std::find(batches.begin(), batches.end(), g.batch) == batches.end()) batches.push_back(g.batch);
+  for (int batch : batches) {
+    s += fmt::format("{:>6}", batch);
+    for (const auto& c : present) {
+      std::string cell = "-";
+      for (const auto& g : rep.gains)
+        if (g.batch == batch && g.fusion == c.first && g.other_on == c.second) cell = format_gain(g);
+      s += fmt::format(" {:>31}", cell);
+    }
+    s += "\n";
+  }
+  return s;
+}
+
+nlohmann::json bench_json(const BenchReport& rep) {
+  using nlohmann::json;
+  json j;
+  j["tool"] = "tpmoe bench";
+  j["model"] = rep.model;
+  j["device"] = rep.device;
+  j["tp"] = rep.tp;
+  j["prompt_len"] = rep.prompt_len;
+  j["new_tokens"] = rep.new_tokens;
+  j["warmup"] = rep.warmup;
+  j["copy_bandwidth_gbs"] = rep.copy_bandwidth_gbs;
+  j["weights_gib_per_rank"] = rep.weights_gib_per_rank;
+  j["protocol"] =
+      "TTFT = prefill of the batch; step1 = first decode step (records the CUDA graph on cuda); TPOT over the "
+      "decode steps after it; tokens/s = batch / TPOT mean; floor = decode_weight_bytes / copy bandwidth";
+  if (rep.full_layers > 0) {
+    j["extrapolated_layers"] = rep.full_layers;
+    j["extrapolation"] = rep.extrapolation;
+  }
+  j["rows"] = json::array();
+  for (const BenchRow& r : rep.rows) {
+    json row = {{"setting", r.setting},
+                {"shared_expert_fusion", r.shared_expert_fusion},
+                {"allreduce_fusion", r.allreduce_fusion},
+                {"batch", r.batch},
+                {"ttft_ms", r.ttft_ms},
+                {"first_step_ms", r.first_step_ms},
+                {"tpot_mean_ms", r.tpot_mean_ms},
+                {"tpot_p50_ms", r.tpot_p50_ms},
+                {"tpot_p99_ms", r.tpot_p99_ms},
+                {"timed_steps", r.timed_steps},
+                {"tokens_per_s", r.tokens_per_s},
+                {"gb_per_step", r.gb_per_step},
+                {"floor_ms", r.floor_ms},
+                {"ratio", r.ratio}};
+    if (r.tokens_per_s_full) row["tokens_per_s_extrapolated"] = *r.tokens_per_s_full;
+    j["rows"].push_back(row);
+  }
+  j["gains"] = json::array();
+  for (const FusionGain& g : rep.gains) {
+    json e = {{"fusion", g.fusion},
+              {g.fusion == "shared_expert" ? "allreduce_fusion" : "shared_expert_fusion", g.other_on},
+              {"batch", g.batch}};
+    e["gain"] = g.gain ? json(*g.gain) : json(nullptr);
+    if (!g.note.empty()) e["note"] = g.note;
+    j["gains"].push_back(e);
+  }
+  return j;
+}
+
+}  // namespace tpmoe
