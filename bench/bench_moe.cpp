@@ -93,9 +93,12 @@ int main(int argc, char** argv) {
   int reps = 25;
   bool ablate = false;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--json") && i + 1 < argc) json_path = argv[++i];
-    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc) reps = std::atoi(argv[++i]);
-    else if (!std::strcmp(argv[i], "--ablate")) ablate = true;
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
+      json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
+      reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--ablate"))
+      ablate = true;
     else {
       std::fprintf(stderr, "usage: %s [--json PATH] [--reps N] [--ablate]\n", argv[0]);
       return 2;
@@ -118,8 +121,8 @@ int main(int argc, char** argv) {
     const int max_T = 256;
     const int batches[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
     nlohmann::json rows = nlohmann::json::array();
-    std::printf("\n%5s %5s %8s %9s %10s %8s %7s %9s %6s %11s %8s %11s %8s\n", "I", "batch", "distinct", "MB",
-                "us", "GB/s", "% bw", "floor us", "ratio", "unfused us", "gain %", "baseline us", "vs base");
+    std::printf("\n%5s %5s %8s %9s %10s %8s %7s %9s %6s %11s %8s %11s %8s\n", "I", "batch", "distinct", "MB", "us",
+                "GB/s", "% bw", "floor us", "ratio", "unfused us", "gain %", "baseline us", "vs base");
     std::vector<std::string> ablation_lines;
 
     for (const int I : {3072, 384}) {
@@ -254,8 +257,8 @@ int main(int argc, char** argv) {
         const double ratio = t_fused / floor_us;
         const double gain = 100.0 * (t_unfused - t_fused) / t_unfused;
         const double vs_base = t_base / t_fused;
-        std::printf("%5d %5d %8d %9.1f %10.1f %8.0f %6.1f%% %9.1f %6.3f %11.1f %7.1f%% %11.1f %7.2fx\n", I, T,
-                    distinct, bytes / 1e6, t_fused, gbs, pct, floor_us, ratio, t_unfused, gain, t_base, vs_base);
+        std::printf("%5d %5d %8d %9.1f %10.1f %8.0f %6.1f%% %9.1f %6.3f %11.1f %7.1f%% %11.1f %7.2fx\n", I, T, distinct,
+                    bytes / 1e6, t_fused, gbs, pct, floor_us, ratio, t_unfused, gain, t_base, vs_base);
         std::fflush(stdout);
         rows.push_back({{"inter", I},
                         {"batch", T},

@@ -175,8 +175,7 @@ TEST(Config, RoundTripsUnusualValues) {
 }
 
 TEST(Config, LegacyMultimodalFormParsesToSameConfig) {
-  expect_same(ModelConfig::from_json(legacy_fixture_json()),
-              ModelConfig::from_file(fixture_config()));
+  expect_same(ModelConfig::from_json(legacy_fixture_json()), ModelConfig::from_file(fixture_config()));
 }
 
 TEST(Config, MissingListsDefaultToFullAttentionAndMoe) {
@@ -242,20 +241,17 @@ TEST(Config, RejectsHeadsNotMultipleOfKvHeads) {
   j["num_attention_heads"] = 3;
   j["head_dim"] = 32;
   const std::string msg = error_parsing(j);
-  EXPECT_NE(msg.find("'num_attention_heads' (3) must be a multiple of 'num_key_value_heads' (2)"),
-            std::string::npos)
+  EXPECT_NE(msg.find("'num_attention_heads' (3) must be a multiple of 'num_key_value_heads' (2)"), std::string::npos)
       << msg;
 }
 
 TEST(Config, RejectsWrongType) {
   json j = fixture_json();
   j["num_key_value_heads"] = "four";
-  EXPECT_EQ(error_parsing(j),
-            "config.json: field 'num_key_value_heads' must be a positive integer, got \"four\"");
+  EXPECT_EQ(error_parsing(j), "config.json: field 'num_key_value_heads' must be a positive integer, got \"four\"");
   j = fixture_json();
   j["hidden_size"] = 127.5;
-  EXPECT_NE(error_parsing(j).find("'hidden_size' must be a positive integer, got 127.5"),
-            std::string::npos);
+  EXPECT_NE(error_parsing(j).find("'hidden_size' must be a positive integer, got 127.5"), std::string::npos);
   j = fixture_json();
   j["vocab_size"] = -3;
   EXPECT_NE(error_parsing(j).find("'vocab_size' must be positive"), std::string::npos);
@@ -342,18 +338,14 @@ TEST(Config, RejectsRotaryDimAboveHeadDim) {
   j["rotary_dim"] = 64;
   j["rope_parameters"].erase("partial_rotary_factor");
   const std::string msg = error_parsing(j);
-  EXPECT_NE(msg.find("'rotary_dim' must be even and at most head_dim 32, got 64"),
-            std::string::npos)
-      << msg;
+  EXPECT_NE(msg.find("'rotary_dim' must be even and at most head_dim 32, got 64"), std::string::npos) << msg;
 }
 
 TEST(Config, RejectsTopKAboveExperts) {
   json j = fixture_json();
   j["num_experts_per_tok"] = 9;
   const std::string msg = error_parsing(j);
-  EXPECT_NE(msg.find("'num_experts_per_tok' must be in 1..num_local_experts (8), got 9"),
-            std::string::npos)
-      << msg;
+  EXPECT_NE(msg.find("'num_experts_per_tok' must be in 1..num_local_experts (8), got 9"), std::string::npos) << msg;
 }
 
 TEST(Config, RejectsAbsurdSizes) {
@@ -388,8 +380,7 @@ TEST(Config, RejectsOtherInconsistencies) {
 
   j = fixture_json();
   j["sparse_attention_config"] = 3;
-  EXPECT_NE(error_parsing(j).find("'sparse_attention_config' must be an object"),
-            std::string::npos);
+  EXPECT_NE(error_parsing(j).find("'sparse_attention_config' must be an object"), std::string::npos);
 
   EXPECT_NE(error_parsing(json::array()).find("expected a JSON object"), std::string::npos);
 }

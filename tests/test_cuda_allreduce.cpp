@@ -223,7 +223,7 @@ TEST(CudaAllreduce, PathChoiceBySize) {
   const auto& t = comm.thresholds();
   EXPECT_EQ(comm.choose(1, 6144), cuda::AllreducePath::kOneShot);
   EXPECT_EQ(comm.choose(t.twoshot_max_tokens + 1, 6144), cuda::AllreducePath::kNccl);  // beyond the window
-  EXPECT_EQ(comm.choose(4, 6100), cuda::AllreducePath::kNccl);                          // another width
+  EXPECT_EQ(comm.choose(4, 6100), cuda::AllreducePath::kNccl);                         // another width
   // Modelled defaults for N ranks (replaced by measured ones once multi-GPU hosts run the bench).
   const auto t8 = cuda::AllreduceThresholds::defaults(8, 512);
   EXPECT_LT(t8.oneshot_max_tokens, t8.twoshot_max_tokens);

@@ -147,9 +147,9 @@ TEST(CudaElementwise, SwigluMatchesCpu) {
       SCOPED_TRACE(testing::Message() << "rows=" << rows << " n=" << n);
       // std 4: a good share of gates and ups lie beyond +-7, so both clamps are exercised.
       std::vector<float> gu = round_bf16(random_floats(size_t(rows) * 2 * n, 4.0f, seed++));
-      gu[0] = 50.f;                    // gate far above the limit
-      gu[size_t(n)] = -50.f;           // up far below -limit
-      gu[size_t(2 * n) - 1] = 9.f;     // up above the limit
+      gu[0] = 50.f;                 // gate far above the limit
+      gu[size_t(n)] = -50.f;        // up far below -limit
+      gu[size_t(2 * n) - 1] = 9.f;  // up above the limit
       DeviceBuffer<__nv_bfloat16> d_gu(to_bf16(gu));
       DeviceBuffer<__nv_bfloat16> d_out(size_t(rows) * n);
       cuda::SwigluKernelParams p;
@@ -183,13 +183,13 @@ TEST(CudaElementwise, GatherRowsCopiesExactly) {
       DeviceBuffer<__nv_bfloat16> d_x(to_bf16(x));
       DeviceBuffer<int32_t> d_rows(rows);
       DeviceBuffer<__nv_bfloat16> d_out(rows.size() * cols + offset);
-      cuda::launch_gather_rows(d_x.get() + offset, d_rows.get(), int(rows.size()), cols, d_out.get() + offset,
-                               nullptr);
+      cuda::launch_gather_rows(d_x.get() + offset, d_rows.get(), int(rows.size()), cols, d_out.get() + offset, nullptr);
       const std::vector<uint16_t> got = bits_of(d_out.download());
       const std::vector<uint16_t> src = bits_of(to_bf16(x));
       for (size_t r = 0; r < rows.size(); ++r)
         for (int c = 0; c < cols; ++c)
-          ASSERT_EQ(got[offset + r * cols + c], src[offset + size_t(rows[r]) * cols + c]) << "row " << r << " col " << c;
+          ASSERT_EQ(got[offset + r * cols + c], src[offset + size_t(rows[r]) * cols + c])
+              << "row " << r << " col " << c;
     }
 }
 
@@ -223,8 +223,8 @@ void check_argmax(int vocab, uint64_t seed) {
     r[0] = 50.f;
     rows.push_back(r);
   }
-  rows.push_back(std::vector<float>(size_t(vocab), 0.25f));   // all equal: index 0
-  rows.push_back(std::vector<float>(size_t(vocab), -kInf));   // all -inf: index 0
+  rows.push_back(std::vector<float>(size_t(vocab), 0.25f));  // all equal: index 0
+  rows.push_back(std::vector<float>(size_t(vocab), -kInf));  // all -inf: index 0
   {
     std::vector<float> r(size_t(vocab), -kInf);  // one finite value among -inf
     r[size_t(vocab) - 2] = -1e30f;

@@ -32,7 +32,7 @@ std::vector<std::vector<int32_t>> rows_i64(const io::TensorView& v) {
 }
 
 ModelRun run_model(Engine& engine, const std::vector<std::vector<int32_t>>& prompts,
-        const std::vector<std::vector<int32_t>>& forced, int new_tokens) {
+                   const std::vector<std::vector<int32_t>>& forced, int new_tokens) {
   GenerateRequest req;
   req.prompts = prompts;
   req.forced_tokens = forced;
@@ -67,8 +67,7 @@ const std::vector<int> kUnresolvablePositions = {16, 37};
 double prefill_error_resolvable(const std::vector<float>& got, const std::vector<float>& want, int V) {
   std::vector<float> a, b;
   for (size_t p = 0; p * V < want.size(); ++p) {
-    if (std::find(kUnresolvablePositions.begin(), kUnresolvablePositions.end(), int(p)) !=
-        kUnresolvablePositions.end())
+    if (std::find(kUnresolvablePositions.begin(), kUnresolvablePositions.end(), int(p)) != kUnresolvablePositions.end())
       continue;
     a.insert(a.end(), got.begin() + p * V, got.begin() + (p + 1) * V);
     b.insert(b.end(), want.begin() + p * V, want.begin() + (p + 1) * V);
@@ -120,7 +119,7 @@ TEST(CudaModel, FixtureMatchesReference) {
 TEST(CudaModel, FusedEqualsUnfused) {
   TPMOE_REQUIRE_GPU();
   const std::vector<std::vector<int32_t>> prompts{{3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4},
-                                                   {2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4}};
+                                                  {2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4}};
   const std::vector<std::vector<int32_t>> forced{{10, 20, 30, 40, 50}, {60, 70, 80, 90, 100}};
   auto fused = Engine::from_preset("tiny", std::nullopt, 7, cuda_options(true));
   auto unfused = Engine::from_preset("tiny", std::nullopt, 7, cuda_options(false));
@@ -134,9 +133,9 @@ TEST(CudaModel, DevicePresetMatchesCpuPreset) {
   // The same seed gives bitwise the same weights on both; only the arithmetic differs. Three
   // sequences decode in a padded bucket of 4, through a recorded graph.
   const std::vector<std::vector<int32_t>> prompts{{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19},
-                                                   {42, 17},
-                                                   {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
-                                                    23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35}};
+                                                  {42, 17},
+                                                  {5,  6,  7,  8,  9,  10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
+                                                   21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35}};
   const std::vector<std::vector<int32_t>> forced{{7, 7, 7, 7, 7, 7, 7}, {8, 8, 8, 8, 8, 8, 8}, {9, 9, 9, 9, 9, 9, 9}};
   auto gpu = Engine::from_preset("tiny", std::nullopt, 3, cuda_options());
   auto cpu = Engine::from_preset("tiny", std::nullopt, 3, EngineOptions{});

@@ -138,11 +138,11 @@ std::vector<uint16_t> bf16_bits(const std::vector<float>& v) {
 struct MoeInputs {
   int T = 0, slots = 0, H = 0, I = 0, R = 0;
   float scale = 1.f;
-  std::vector<float> x;                // [T, H], bf16-exact
-  std::vector<uint16_t> gate_up;       // [R, 2I, H] bf16 bits
-  std::vector<uint16_t> down;          // [R, H, I] bf16 bits
-  std::vector<int32_t> ids;            // [T, slots]
-  std::vector<float> weights;          // [T, slots]
+  std::vector<float> x;           // [T, H], bf16-exact
+  std::vector<uint16_t> gate_up;  // [R, 2I, H] bf16 bits
+  std::vector<uint16_t> down;     // [R, H, I] bf16 bits
+  std::vector<int32_t> ids;       // [T, slots]
+  std::vector<float> weights;     // [T, slots]
 };
 
 MoeInputs make_inputs(int T, int slots, int H, int I, int R, float scale, std::vector<int32_t> ids, uint64_t seed) {

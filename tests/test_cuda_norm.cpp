@@ -198,15 +198,15 @@ void check_head_norm_rope(const RopeCase& c, uint64_t seed) {
 TEST(CudaNorm, HeadNormRopeMatchesCpu) {
   TPMOE_REQUIRE_GPU();
   const RopeCase cases[] = {
-      {1, 8, 128, 64, 5e6f},     // m3 decode, one token
-      {3, 4, 32, 16, 5e6f},      // tiny preset
-      {19, 5, 128, 64, 5e6f},    //
-      {64, 2, 32, 16, 5e6f},     //
-      {64, 3, 128, 64, 1e4f},    // a smaller theta: faster-turning high channels
-      {7, 3, 64, 18, 1e4f},      // rotary half 9: pairs not a multiple of anything
-      {3, 2, 256, 256, 1e4f},    // largest head, fully rotated
-      {5, 2, 256, 0, 1e4f},      // no rotation: norm only
-      {4, 3, 100, 36, 5e6f},     // head_dim not a multiple of 32
+      {1, 8, 128, 64, 5e6f},   // m3 decode, one token
+      {3, 4, 32, 16, 5e6f},    // tiny preset
+      {19, 5, 128, 64, 5e6f},  //
+      {64, 2, 32, 16, 5e6f},   //
+      {64, 3, 128, 64, 1e4f},  // a smaller theta: faster-turning high channels
+      {7, 3, 64, 18, 1e4f},    // rotary half 9: pairs not a multiple of anything
+      {3, 2, 256, 256, 1e4f},  // largest head, fully rotated
+      {5, 2, 256, 0, 1e4f},    // no rotation: norm only
+      {4, 3, 100, 36, 5e6f},   // head_dim not a multiple of 32
   };
   uint64_t seed = 1000;
   for (const auto& c : cases) check_head_norm_rope(c, seed += 10);

@@ -47,8 +47,7 @@ void expect_error(const std::function<void()>& fn, std::initializer_list<std::st
 void expect_parse_error(const std::string& bytes, std::initializer_list<std::string> needles) {
   expect_error(
       [&] {
-        parse_safetensors_header({reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()},
-                                 "bad.safetensors");
+        parse_safetensors_header({reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()}, "bad.safetensors");
       },
       needles);
 }
@@ -252,12 +251,10 @@ TEST(SafetensorsHeader, BadShape) {
 
 TEST(SafetensorsHeader, ShapeOverflow) {
   // 2^32 x 2^32 wraps to 0 in 64 bits: a naive product would accept [0, 0].
-  expect_parse_error(
-      image(R"({"t": {"dtype": "U8", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})", 0),
-      {"bad.safetensors", "'t'", "overflow"});
-  expect_parse_error(
-      image(R"({"t": {"dtype": "F32", "shape": [4611686018427387904], "data_offsets": [0, 0]}})", 0),
-      {"bad.safetensors", "'t'", "overflow"});
+  expect_parse_error(image(R"({"t": {"dtype": "U8", "shape": [4294967296, 4294967296], "data_offsets": [0, 0]}})", 0),
+                     {"bad.safetensors", "'t'", "overflow"});
+  expect_parse_error(image(R"({"t": {"dtype": "F32", "shape": [4611686018427387904], "data_offsets": [0, 0]}})", 0),
+                     {"bad.safetensors", "'t'", "overflow"});
 }
 
 TEST(SafetensorsHeader, OffsetsOutOfBounds) {
@@ -297,9 +294,8 @@ TEST(SafetensorsHeader, DuplicateTensorName) {
 }
 
 TEST(SafetensorsHeader, ValidHeader) {
-  const std::string bytes =
-      image(R"({"__metadata__": {"format": "pt"}, "w": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}})",
-            8);
+  const std::string bytes = image(
+      R"({"__metadata__": {"format": "pt"}, "w": {"dtype": "BF16", "shape": [2, 2], "data_offsets": [0, 8]}})", 8);
   auto h = parse_safetensors_header({reinterpret_cast<const std::byte*>(bytes.data()), bytes.size()}, "ok");
   ASSERT_EQ(h.entries.size(), 1u);
   EXPECT_EQ(h.entries[0].name, "w");

@@ -18,8 +18,8 @@ std::filesystem::path fixtures_dir() {
 
 std::filesystem::path make_temp_dir(const std::string& tag) {
   std::random_device rd;
-  auto dir = std::filesystem::temp_directory_path() /
-             ("tpmoe-" + tag + "-" + std::to_string(rd()) + std::to_string(rd()));
+  auto dir =
+      std::filesystem::temp_directory_path() / ("tpmoe-" + tag + "-" + std::to_string(rd()) + std::to_string(rd()));
   std::filesystem::create_directories(dir);
   return dir;
 }

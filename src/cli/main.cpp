@@ -1,6 +1,6 @@
 // The `tpmoe` command: generate, make-model, inspect, bench. Errors print one line and exit 1.
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -117,7 +117,8 @@ void run_generate(const GenerateFlags& f) {
   } else {
     TPMOE_CHECK(f.model.model_dir.empty(), "generate: give --input FILE or --prompt-ids 1,2,3");
     req.prompts.push_back({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16});
-    fmt::print("embedded default: preset '{}', prompt ids 1..16\n", f.model.preset.empty() ? kDefaultPreset : f.model.preset);
+    fmt::print("embedded default: preset '{}', prompt ids 1..16\n",
+               f.model.preset.empty() ? kDefaultPreset : f.model.preset);
   }
   if (f.teacher_force) {
     TPMOE_CHECK(!file_generated.empty(), "--teacher-force needs --input with a 'generated_ids' tensor");
@@ -267,9 +268,11 @@ int main(int argc, char** argv) {
   GenerateFlags gen;
   auto* g = app.add_subcommand("generate", "generate tokens greedily (embedded default model without --model)");
   gen.model.add_to(g);
-  g->add_option("--input", gen.input, "safetensors file with input_ids i64 [B,P] (and generated_ids for teacher forcing)");
+  g->add_option("--input", gen.input,
+                "safetensors file with input_ids i64 [B,P] (and generated_ids for teacher forcing)");
   g->add_option("--prompt-ids", gen.prompt_ids, "one prompt as comma-separated token ids");
-  g->add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate per sequence (G)")->check(CLI::PositiveNumber);
+  g->add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate per sequence (G)")
+      ->check(CLI::PositiveNumber);
   g->add_flag("--teacher-force", gen.teacher_force, "feed the input file's generated_ids at each decode step");
   g->add_option("--dump", gen.dump, "write prefill_logits, step_logits and generated_ids to this safetensors file");
 
@@ -317,14 +320,20 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    if (*g) run_generate(gen);
-    else if (*m) run_make_model(mk);
-    else if (*i) run_inspect(in);
-    else if (*b) run_bench(bf);
+    if (*g)
+      run_generate(gen);
+    else if (*m)
+      run_make_model(mk);
+    else if (*i)
+      run_inspect(in);
+    else if (*b)
+      run_bench(bf);
 #ifdef TPMOE_WITH_CUDA
-    else if (*bo) run_allreduce_bench(bench_op_tp);
+    else if (*bo)
+      run_allreduce_bench(bench_op_tp);
 #else
-    else if (*bo) TPMOE_FAIL("bench-op {}: this build has no CUDA backend", bench_op);
+    else if (*bo)
+      TPMOE_FAIL("bench-op {}: this build has no CUDA backend", bench_op);
 #endif
   } catch (const Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());

@@ -11,10 +11,9 @@ struct DTypeInfo {
   size_t size;
 };
 constexpr DTypeInfo kDTypes[] = {
-    {DType::kBF16, "BF16", 2}, {DType::kF16, "F16", 2}, {DType::kF32, "F32", 4},
-    {DType::kF64, "F64", 8},   {DType::kI64, "I64", 8}, {DType::kI32, "I32", 4},
-    {DType::kI16, "I16", 2},   {DType::kI8, "I8", 1},   {DType::kU8, "U8", 1},
-    {DType::kBool, "BOOL", 1},
+    {DType::kBF16, "BF16", 2}, {DType::kF16, "F16", 2},   {DType::kF32, "F32", 4}, {DType::kF64, "F64", 8},
+    {DType::kI64, "I64", 8},   {DType::kI32, "I32", 4},   {DType::kI16, "I16", 2}, {DType::kI8, "I8", 1},
+    {DType::kU8, "U8", 1},     {DType::kBool, "BOOL", 1},
 };
 }  // namespace
 
@@ -39,9 +38,12 @@ std::optional<DType> parse_dtype(std::string_view name) {
 float f16_to_f32(uint16_t h) {
   const uint32_t sign = (h >> 15) & 1u, exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu;
   float mag;
-  if (exp == 0) mag = std::ldexp(float(mant), -24);                      // subnormal or zero
-  else if (exp == 31) mag = mant ? NAN : INFINITY;                        // NaN or inf
-  else mag = std::ldexp(float(mant | 0x400u), int(exp) - 25);            // normal
+  if (exp == 0)
+    mag = std::ldexp(float(mant), -24);  // subnormal or zero
+  else if (exp == 31)
+    mag = mant ? NAN : INFINITY;  // NaN or inf
+  else
+    mag = std::ldexp(float(mant | 0x400u), int(exp) - 25);  // normal
   return sign ? -mag : mag;
 }
 

@@ -31,8 +31,8 @@ class Error : public std::runtime_error {
 
 // TPMOE_CHECK(cond, fmt, args...): throws tpmoe::Error with a fmt-formatted message a user can act on
 // (name the file, tensor or field).
-#define TPMOE_CHECK(cond, ...)                                                    \
-  do {                                                                            \
+#define TPMOE_CHECK(cond, ...)                                                       \
+  do {                                                                               \
     if (!(cond)) ::tpmoe::throw_error(__FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
   } while (0)
 

@@ -3,8 +3,8 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cstring>
 #include <chrono>
+#include <cstring>
 #include <exception>
 #include <thread>
 

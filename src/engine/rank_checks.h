@@ -20,14 +20,14 @@ namespace tpmoe {
 struct RankFingerprint {
   uint32_t magic = 0;
   int32_t rank = 0;
-  int32_t tp = 0;           // tensor-parallel size this rank was asked for
-  int32_t world = 0;        // ranks actually launched (threads or MPI processes)
-  int32_t local_rank = 0;   // GPU index on its host
-  int32_t visible_gpus = 0; // GPUs this rank's process sees
-  uint64_t config_hash = 0; // config.json as parsed (every field)
-  uint64_t plan_hash = 0;   // the printed fusion plan
+  int32_t tp = 0;            // tensor-parallel size this rank was asked for
+  int32_t world = 0;         // ranks actually launched (threads or MPI processes)
+  int32_t local_rank = 0;    // GPU index on its host
+  int32_t visible_gpus = 0;  // GPUs this rank's process sees
+  uint64_t config_hash = 0;  // config.json as parsed (every field)
+  uint64_t plan_hash = 0;    // the printed fusion plan
   char host[48] = {};
-  char model[64] = {};      // a short summary of the config, for the message
+  char model[64] = {};  // a short summary of the config, for the message
 };
 
 uint64_t fnv1a64(std::string_view bytes);

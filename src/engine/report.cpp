@@ -34,7 +34,7 @@ size_t rank_weight_bytes(const ModelConfig& c, const RankShard& s, const FusionP
   // embed_tokens and lm_head (a tied head is stored twice: each is laid out for its own op), final norm
   size_t bytes = 2 * size_t(c.vocab_size) * H * m + H * f;
   for (int l = 0; l < c.num_layers; ++l) {
-    bytes += 2 * H * f;                                                       // layer norms
+    bytes += 2 * H * f;                                                                           // layer norms
     bytes += (2 * size_t(s.num_q_heads) + 2 * size_t(s.num_kv_heads)) * hd * H * m + 2 * hd * f;  // q, k, v, o
     if (c.layer_types[l] == AttentionType::kSparse)
       bytes += (size_t(s.num_index_heads) + 1) * ihd * H * m + 2 * ihd * f;

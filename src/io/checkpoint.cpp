@@ -17,9 +17,7 @@ namespace {
 
 constexpr const char* kHubPrefix = "language_model.";
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ","));
-}
+std::string shape_str(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ",")); }
 
 // Vision tower / projector tensors of the multimodal checkpoint and the unused multi-token-prediction
 // head: present in real checkpoints, never read by the text model.
@@ -41,8 +39,8 @@ Checkpoint Checkpoint::open(const fs::path& dir) {
   auto files = std::make_shared<SafetensorsSet>(SafetensorsSet::open_dir(dir));
   for (const auto& name : files->names()) c.views_[name] = *files->find(name);
   c.owner_ = files;
-  const bool hub = std::any_of(c.views_.begin(), c.views_.end(),
-                               [](const auto& kv) { return kv.first.rfind(kHubPrefix, 0) == 0; });
+  const bool hub =
+      std::any_of(c.views_.begin(), c.views_.end(), [](const auto& kv) { return kv.first.rfind(kHubPrefix, 0) == 0; });
   c.layout_ = hub ? CheckpointLayout::kHub : CheckpointLayout::kTransformers;
   return c;
 }
@@ -97,7 +95,8 @@ MlpViews Checkpoint::dense_mlp(int l) const {
   const int64_t H = config_.hidden_size, n = config_.dense_intermediate_size;
   const std::string p = prefix() + fmt::format("layers.{}.mlp.", l);
   if (layout_ == CheckpointLayout::kHub)
-    return {get(p + "gate_proj.weight", {n, H}), get(p + "up_proj.weight", {n, H}), get(p + "down_proj.weight", {H, n})};
+    return {get(p + "gate_proj.weight", {n, H}), get(p + "up_proj.weight", {n, H}),
+            get(p + "down_proj.weight", {H, n})};
   const TensorView gu = get(p + "gate_up_proj.weight", {2 * n, H});
   return {gu.rows(0, n), gu.rows(n, n), get(p + "down_proj.weight", {H, n})};
 }
@@ -106,7 +105,8 @@ MlpViews Checkpoint::shared_experts(int l) const {
   const int64_t H = config_.hidden_size, n = int64_t(config_.num_shared_experts) * config_.shared_intermediate_size;
   if (layout_ == CheckpointLayout::kHub) {
     const std::string p = prefix() + fmt::format("layers.{}.block_sparse_moe.shared_experts.", l);
-    return {get(p + "gate_proj.weight", {n, H}), get(p + "up_proj.weight", {n, H}), get(p + "down_proj.weight", {H, n})};
+    return {get(p + "gate_proj.weight", {n, H}), get(p + "up_proj.weight", {n, H}),
+            get(p + "down_proj.weight", {H, n})};
   }
   const std::string p = prefix() + fmt::format("layers.{}.mlp.shared_experts.", l);
   const TensorView gu = get(p + "gate_up_proj.weight", {2 * n, H});
@@ -133,16 +133,19 @@ TensorView Checkpoint::router(int l) const {
 TensorView Checkpoint::router_bias(int l) const {
   const std::string p = prefix() + fmt::format("layers.{}.", l);
   return get(p + (layout_ == CheckpointLayout::kHub ? "block_sparse_moe.e_score_correction_bias"
-                                                   : "mlp.gate.e_score_correction_bias"),
+                                                    : "mlp.gate.e_score_correction_bias"),
              {config_.num_experts});
 }
 
 TensorView Checkpoint::indexer(int l, const std::string& which) const {
   const ModelConfig& c = config_;
   std::vector<int64_t> shape;
-  if (which == "q_proj") shape = {int64_t(c.index_n_heads) * c.index_head_dim, c.hidden_size};
-  else if (which == "k_proj") shape = {c.index_head_dim, c.hidden_size};
-  else shape = {c.index_head_dim};
+  if (which == "q_proj")
+    shape = {int64_t(c.index_n_heads) * c.index_head_dim, c.hidden_size};
+  else if (which == "k_proj")
+    shape = {c.index_head_dim, c.hidden_size};
+  else
+    shape = {c.index_head_dim};
   const std::string p = prefix() + fmt::format("layers.{}.self_attn.", l);
   return get(p + (layout_ == CheckpointLayout::kHub ? "index_" + which : "indexer." + which) + ".weight", shape);
 }

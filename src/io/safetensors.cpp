@@ -59,7 +59,7 @@ uint16_t f32_to_f16(float f) {
   const uint32_t mag = x & 0x7fffffffu;
   if (mag > 0x7f800000u) return sign | 0x7e00u;   // NaN
   if (mag >= 0x477ff000u) return sign | 0x7c00u;  // >= 65520 rounds past the largest half (65504)
-  if (mag < 0x38800000u) {                         // below 2^-14: a half subnormal, in units of 2^-24
+  if (mag < 0x38800000u) {                        // below 2^-14: a half subnormal, in units of 2^-24
     return sign | uint16_t(std::nearbyint(std::fabs(f) * 16777216.0f));
   }
   uint32_t r = mag - 0x38000000u;  // rebias the exponent from 127 to 15
@@ -74,24 +74,21 @@ bool as_u64(const json& v, uint64_t* out) {
   return true;
 }
 
-HeaderEntry parse_entry(const std::string& origin, const std::string& name, const json& info,
-                        uint64_t data_size) {
+HeaderEntry parse_entry(const std::string& origin, const std::string& name, const json& info, uint64_t data_size) {
   TPMOE_CHECK(info.is_object(), "{}: tensor '{}': header entry is a JSON {}, not an object", origin, name,
               info.type_name());
   HeaderEntry e;
   e.name = name;
 
   auto dt = info.find("dtype");
-  TPMOE_CHECK(dt != info.end() && dt->is_string(), "{}: tensor '{}': missing or non-string \"dtype\"", origin,
-              name);
+  TPMOE_CHECK(dt != info.end() && dt->is_string(), "{}: tensor '{}': missing or non-string \"dtype\"", origin, name);
   auto dtype = parse_dtype(dt->get_ref<const std::string&>());
   TPMOE_CHECK(dtype.has_value(), "{}: tensor '{}': unknown dtype \"{}\"", origin, name,
               dt->get_ref<const std::string&>());
   e.dtype = *dtype;
 
   auto sh = info.find("shape");
-  TPMOE_CHECK(sh != info.end() && sh->is_array(), "{}: tensor '{}': missing or non-array \"shape\"", origin,
-              name);
+  TPMOE_CHECK(sh != info.end() && sh->is_array(), "{}: tensor '{}': missing or non-array \"shape\"", origin, name);
   // The product of the non-zero dimensions times the element size must fit in int64: then no
   // sub-product taken later (numel, row strides, nbytes) can overflow, even for empty tensors.
   uint64_t nonzero_bytes = dtype_size(e.dtype);
@@ -119,9 +116,8 @@ HeaderEntry parse_entry(const std::string& origin, const std::string& name, cons
   TPMOE_CHECK(e.begin <= e.end && e.end <= data_size,
               "{}: tensor '{}': data_offsets [{}, {}] lie outside the data area ({} bytes)", origin, name, e.begin,
               e.end, data_size);
-  TPMOE_CHECK(e.end - e.begin == nbytes,
-              "{}: tensor '{}': data_offsets [{}, {}] hold {} bytes but {} {} needs {}", origin, name, e.begin,
-              e.end, e.end - e.begin, dtype_name(e.dtype), join_shape(e.shape), nbytes);
+  TPMOE_CHECK(e.end - e.begin == nbytes, "{}: tensor '{}': data_offsets [{}, {}] hold {} bytes but {} {} needs {}",
+              origin, name, e.begin, e.end, e.end - e.begin, dtype_name(e.dtype), join_shape(e.shape), nbytes);
   return e;
 }
 
@@ -164,8 +160,8 @@ std::string TensorView::shape_str() const { return join_shape(shape); }
 
 ParsedHeader parse_safetensors_header(std::span<const std::byte> bytes, const std::string& origin) {
   const uint64_t file_size = bytes.size();
-  TPMOE_CHECK(file_size >= 8, "{}: file is {} bytes, too short for a safetensors header length (8 bytes)",
-              origin, file_size);
+  TPMOE_CHECK(file_size >= 8, "{}: file is {} bytes, too short for a safetensors header length (8 bytes)", origin,
+              file_size);
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | std::to_integer<uint64_t>(bytes[size_t(i)]);
   TPMOE_CHECK(n <= file_size - 8, "{}: header length {} runs past the end of the file ({} bytes)", origin, n,
@@ -215,8 +211,8 @@ ParsedHeader parse_safetensors_header(std::span<const std::byte> bytes, const st
   const HeaderEntry* furthest = nullptr;
   for (const HeaderEntry* e : by_begin) {
     TPMOE_CHECK(!furthest || e->begin >= furthest->end,
-                "{}: tensor '{}' (bytes [{}, {})) overlaps tensor '{}' (bytes [{}, {}))", origin, e->name,
-                e->begin, e->end, furthest->name, furthest->begin, furthest->end);
+                "{}: tensor '{}' (bytes [{}, {})) overlaps tensor '{}' (bytes [{}, {}))", origin, e->name, e->begin,
+                e->end, furthest->name, furthest->begin, furthest->end);
     if (!furthest || e->end > furthest->end) furthest = e;
   }
   return out;
@@ -331,8 +327,8 @@ SafetensorsSet SafetensorsSet::open_dir(const fs::path& dir) {
     set.files_.push_back(SafetensorsFile::open(shard_path));
     const SafetensorsFile& file = *set.files_.back();
     for (const auto& t : tensors)
-      TPMOE_CHECK(file.find(t), "{}: tensor '{}' is listed in shard '{}', but {} has no such tensor", index, t,
-                  shard, file.path());
+      TPMOE_CHECK(file.find(t), "{}: tensor '{}' is listed in shard '{}', but {} has no such tensor", index, t, shard,
+                  file.path());
     add_tensors(file, set.by_name_);
   }
   return set;
@@ -405,10 +401,18 @@ std::vector<float> to_f32(const TensorView& view) {
   std::vector<float> out(n);
   const std::byte* p = view.data;
   switch (view.dtype) {
-    case DType::kBF16: for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load<uint16_t>(p, i)); break;
-    case DType::kF16: for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(load<uint16_t>(p, i)); break;
-    case DType::kF32: for (size_t i = 0; i < n; ++i) out[i] = load<float>(p, i); break;
-    case DType::kF64: for (size_t i = 0; i < n; ++i) out[i] = float(load<double>(p, i)); break;
+    case DType::kBF16:
+      for (size_t i = 0; i < n; ++i) out[i] = bf16_to_f32(load<uint16_t>(p, i));
+      break;
+    case DType::kF16:
+      for (size_t i = 0; i < n; ++i) out[i] = f16_to_f32(load<uint16_t>(p, i));
+      break;
+    case DType::kF32:
+      for (size_t i = 0; i < n; ++i) out[i] = load<float>(p, i);
+      break;
+    case DType::kF64:
+      for (size_t i = 0; i < n; ++i) out[i] = float(load<double>(p, i));
+      break;
     default:
       TPMOE_FAIL("{}: tensor '{}' is {}, not a floating-point type", view.file, view.name, dtype_name(view.dtype));
   }
@@ -419,8 +423,12 @@ std::vector<int64_t> to_i64(const TensorView& view) {
   const size_t n = size_t(view.numel());
   std::vector<int64_t> out(n);
   switch (view.dtype) {
-    case DType::kI64: for (size_t i = 0; i < n; ++i) out[i] = load<int64_t>(view.data, i); break;
-    case DType::kI32: for (size_t i = 0; i < n; ++i) out[i] = load<int32_t>(view.data, i); break;
+    case DType::kI64:
+      for (size_t i = 0; i < n; ++i) out[i] = load<int64_t>(view.data, i);
+      break;
+    case DType::kI32:
+      for (size_t i = 0; i < n; ++i) out[i] = load<int32_t>(view.data, i);
+      break;
     default: TPMOE_FAIL("{}: tensor '{}' is {}, not I64 or I32", view.file, view.name, dtype_name(view.dtype));
   }
   return out;

@@ -65,20 +65,16 @@ constexpr IntField kIntFields[] = {
     {&ModelConfig::num_experts, "num_local_experts", nullptr, 0, kMaxDim, false},
     {&ModelConfig::num_experts_per_tok, "num_experts_per_tok", nullptr, 0, kMaxDim, false},
     {&ModelConfig::moe_intermediate_size, "intermediate_size", nullptr, 0, kMaxDim, false},
-    {&ModelConfig::shared_intermediate_size, "shared_intermediate_size", nullptr, 0, kMaxDim,
+    {&ModelConfig::shared_intermediate_size, "shared_intermediate_size", nullptr, 0, kMaxDim, false},
+    {&ModelConfig::dense_intermediate_size, "dense_intermediate_size", nullptr, 0, kMaxDim, false},
+    {&ModelConfig::index_n_heads, "index_n_heads", "sparse_attention_config.sparse_num_index_heads", 0, kMaxDim, false},
+    {&ModelConfig::index_head_dim, "index_head_dim", "sparse_attention_config.sparse_index_dim", 0, kMaxDim, false},
+    {&ModelConfig::index_block_size, "index_block_size", "sparse_attention_config.sparse_block_size", 0, kMaxDim,
      false},
-    {&ModelConfig::dense_intermediate_size, "dense_intermediate_size", nullptr, 0, kMaxDim,
+    {&ModelConfig::index_topk_blocks, "index_topk_blocks", "sparse_attention_config.sparse_topk_blocks", 0, kMaxDim,
      false},
-    {&ModelConfig::index_n_heads, "index_n_heads", "sparse_attention_config.sparse_num_index_heads",
-     0, kMaxDim, false},
-    {&ModelConfig::index_head_dim, "index_head_dim", "sparse_attention_config.sparse_index_dim", 0,
-     kMaxDim, false},
-    {&ModelConfig::index_block_size, "index_block_size",
-     "sparse_attention_config.sparse_block_size", 0, kMaxDim, false},
-    {&ModelConfig::index_topk_blocks, "index_topk_blocks",
-     "sparse_attention_config.sparse_topk_blocks", 0, kMaxDim, false},
-    {&ModelConfig::index_local_blocks, "index_local_blocks",
-     "sparse_attention_config.sparse_local_block", 0, kMaxDim, false},
+    {&ModelConfig::index_local_blocks, "index_local_blocks", "sparse_attention_config.sparse_local_block", 0, kMaxDim,
+     false},
 };
 
 // Integer fields whose defaults depend on other fields, so they are parsed by hand; validate()
@@ -113,8 +109,7 @@ std::string brief(const json& v) {
 std::optional<int64_t> integer_value(const json& v) {
   if (v.is_number_unsigned()) {
     const uint64_t u = v.get<uint64_t>();
-    return u > uint64_t(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max()
-                                                             : int64_t(u);
+    return u > uint64_t(std::numeric_limits<int64_t>::max()) ? std::numeric_limits<int64_t>::max() : int64_t(u);
   }
   if (v.is_number_integer()) return v.get<int64_t>();
   if (v.is_number_float()) {
@@ -124,12 +119,12 @@ std::optional<int64_t> integer_value(const json& v) {
   return std::nullopt;
 }
 
-void check_int_range(const std::string& origin, const char* name, int64_t v, int64_t min,
-                     int64_t max) {
-  TPMOE_CHECK(v >= min, "{}: field '{}' must be {}, got {}", origin, name,
-              min > 0 ? "positive" : "non-negative", v);
-  TPMOE_CHECK(v <= max, "{}: field '{}' = {} exceeds the sanity bound {} (a value this large is a "
-              "corrupt config and would make later allocations explode)", origin, name, v, max);
+void check_int_range(const std::string& origin, const char* name, int64_t v, int64_t min, int64_t max) {
+  TPMOE_CHECK(v >= min, "{}: field '{}' must be {}, got {}", origin, name, min > 0 ? "positive" : "non-negative", v);
+  TPMOE_CHECK(v <= max,
+              "{}: field '{}' = {} exceeds the sanity bound {} (a value this large is a "
+              "corrupt config and would make later allocations explode)",
+              origin, name, v, max);
 }
 
 // Shortest decimal that reads back as the same float (1e-06, not 9.99999997e-07). Reading it as a
@@ -161,8 +156,7 @@ class Fields {
       const std::string outer(path.substr(0, dot));
       const auto it = obj_.find(outer);
       if (it == obj_.end() || it->is_null()) return nullptr;
-      TPMOE_CHECK(it->is_object(), "{}: field '{}' must be an object, got {}", origin_, outer,
-                  brief(*it));
+      TPMOE_CHECK(it->is_object(), "{}: field '{}' must be an object, got {}", origin_, outer, brief(*it));
       parent = &*it;
       key = path.substr(dot + 1);
     }
@@ -186,8 +180,7 @@ class Fields {
   float single(std::string_view name, const json& v) const {
     const double d = number(name, v);
     // Narrowing a double beyond float range is undefined behaviour, not just inf.
-    TPMOE_CHECK(std::fabs(d) <= FLT_MAX, "{}: field '{}' = {} is out of float range", origin_, name,
-                d);
+    TPMOE_CHECK(std::fabs(d) <= FLT_MAX, "{}: field '{}' = {} is out of float range", origin_, name, d);
     return float(d);
   }
 
@@ -200,9 +193,8 @@ class Fields {
     std::optional<T> va, vb;
     if (a) va = parse(name, *a);
     if (b) vb = parse(alias, *b);
-    TPMOE_CHECK(!(va && vb && *va != *vb),
-                "{}: field '{}' = {} disagrees with its alias '{}' = {}", origin_, name, brief(*a),
-                alias, brief(*b));
+    TPMOE_CHECK(!(va && vb && *va != *vb), "{}: field '{}' = {} disagrees with its alias '{}' = {}", origin_, name,
+                brief(*a), alias, brief(*b));
     return va ? va : vb;
   }
 
@@ -213,22 +205,21 @@ class Fields {
     auto parse = [&](std::string_view field, const json& v) {
       TPMOE_CHECK(v.is_array(), "{}: field '{}' must be a list, got {}", origin_, field, brief(v));
       TPMOE_CHECK(int64_t(v.size()) <= kMaxLayers,
-                  "{}: field '{}' has {} entries, more than the sanity bound {} layers", origin_,
-                  field, v.size(), kMaxLayers);
+                  "{}: field '{}' has {} entries, more than the sanity bound {} layers", origin_, field, v.size(),
+                  kMaxLayers);
       const bool strings = field == name;
       std::vector<Enum> out;
       for (size_t i = 0; i < v.size(); ++i) {
         const json& e = v[i];
         if (strings) {
           const std::string* s = e.is_string() ? e.get_ptr<const std::string*>() : nullptr;
-          TPMOE_CHECK(s && (*s == names[0] || *s == names[1]),
-                      "{}: field '{}[{}]' must be \"{}\" or \"{}\", got {}", origin_, field, i,
-                      names[0], names[1], brief(e));
+          TPMOE_CHECK(s && (*s == names[0] || *s == names[1]), "{}: field '{}[{}]' must be \"{}\" or \"{}\", got {}",
+                      origin_, field, i, names[0], names[1], brief(e));
           out.push_back(Enum(*s == names[1]));
         } else {
           const std::optional<int64_t> bit = integer_value(e);
-          TPMOE_CHECK(bit && (*bit == 0 || *bit == 1), "{}: field '{}[{}]' must be 0 or 1, got {}",
-                      origin_, field, i, brief(e));
+          TPMOE_CHECK(bit && (*bit == 0 || *bit == 1), "{}: field '{}[{}]' must be 0 or 1, got {}", origin_, field, i,
+                      brief(e));
           out.push_back(Enum(*bit == 1));
         }
       }
@@ -250,14 +241,11 @@ static_assert(int(AttentionType::kSparse) == 1 && int(MlpType::kMoe) == 1);
 ModelConfig parse_text_config(const Fields& f) {
   ModelConfig c;
   const auto int_parser = [&](int64_t min, int64_t max) {
-    return [&f, min, max](std::string_view name, const json& v) {
-      return f.integer(name, v, min, max);
-    };
+    return [&f, min, max](std::string_view name, const json& v) { return f.integer(name, v, min, max); };
   };
 
   for (const IntField& field : kIntFields) {
-    const std::optional<int> v =
-        f.aliased<int>(field.name, field.legacy, int_parser(field.min, field.max));
+    const std::optional<int> v = f.aliased<int>(field.name, field.legacy, int_parser(field.min, field.max));
     TPMOE_CHECK(v || !field.required, "{}: missing required field '{}'", f.origin(), field.name);
     if (v) c.*field.member = *v;
   }
@@ -275,18 +263,16 @@ ModelConfig parse_text_config(const Fields& f) {
   // rotary_dim, or partial_rotary_factor * head_dim, which must come out a whole channel count.
   const auto factor_to_dim = [&](std::string_view name, const json& v) {
     const double factor = f.number(name, v);
-    TPMOE_CHECK(factor > 0 && factor <= 1, "{}: field '{}' must be in (0, 1], got {}", f.origin(),
-                name, brief(v));
+    TPMOE_CHECK(factor > 0 && factor <= 1, "{}: field '{}' must be in (0, 1], got {}", f.origin(), name, brief(v));
     const double dims = factor * c.head_dim;
     const double rounded = std::round(dims);
     TPMOE_CHECK(std::fabs(dims - rounded) <= 1e-6 * rounded,
-                "{}: field '{}' = {} times head_dim {} is {}, not a whole number of channels",
-                f.origin(), name, brief(v), c.head_dim, dims);
+                "{}: field '{}' = {} times head_dim {} is {}, not a whole number of channels", f.origin(), name,
+                brief(v), c.head_dim, dims);
     return int(rounded);
   };
   const std::optional<int> rd = f.aliased<int>("rotary_dim", nullptr, int_parser(1, kMaxDim));
-  const std::optional<int> rd_factor =
-      f.aliased<int>("rope_parameters.partial_rotary_factor", nullptr, factor_to_dim);
+  const std::optional<int> rd_factor = f.aliased<int>("rope_parameters.partial_rotary_factor", nullptr, factor_to_dim);
   TPMOE_CHECK(!(rd && rd_factor && *rd != *rd_factor),
               "{}: field 'rotary_dim' = {} disagrees with 'rope_parameters.partial_rotary_factor' "
               "(= {} rotary channels of head_dim {})",
@@ -309,16 +295,15 @@ ModelConfig parse_text_config(const Fields& f) {
   }
 
   if (const json* v = f.find("tie_word_embeddings")) {
-    TPMOE_CHECK(v->is_boolean(), "{}: field 'tie_word_embeddings' must be true or false, got {}",
-                f.origin(), brief(*v));
+    TPMOE_CHECK(v->is_boolean(), "{}: field 'tie_word_embeddings' must be true or false, got {}", f.origin(),
+                brief(*v));
     c.tie_word_embeddings = v->get<bool>();
   }
 
   // Missing lists: every layer full attention, every layer MoE (SPEC §2).
-  c.layer_types = f.layer_list<AttentionType>("layer_types",
-                                              "sparse_attention_config.sparse_attention_freq",
-                                              kAttentionNames)
-                      .value_or(std::vector<AttentionType>(c.num_layers, AttentionType::kFull));
+  c.layer_types =
+      f.layer_list<AttentionType>("layer_types", "sparse_attention_config.sparse_attention_freq", kAttentionNames)
+          .value_or(std::vector<AttentionType>(c.num_layers, AttentionType::kFull));
   c.mlp_layer_types = f.layer_list<MlpType>("mlp_layer_types", "moe_layer_freq", kMlpNames)
                           .value_or(std::vector<MlpType>(c.num_layers, MlpType::kMoe));
   return c;
@@ -340,23 +325,20 @@ bool ModelConfig::any_moe() const {
 
 ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& origin) {
   try {
-    TPMOE_CHECK(j.is_object(), "{}: expected a JSON object at the top level, got {}", origin,
-                j.type_name());
+    TPMOE_CHECK(j.is_object(), "{}: expected a JSON object at the top level, got {}", origin, j.type_name());
     const auto text_config = j.find("text_config");
     if (text_config != j.end()) {
       // The multimodal form: only the text part matters here; the vision tower is ignored.
-      TPMOE_CHECK(text_config->is_object(), "{}: field 'text_config' must be an object, got {}",
-                  origin, brief(*text_config));
+      TPMOE_CHECK(text_config->is_object(), "{}: field 'text_config' must be an object, got {}", origin,
+                  brief(*text_config));
       const std::string text_origin = origin + " [text_config]";
       ModelConfig c = parse_text_config(Fields(*text_config, text_origin));
       c.validate(text_origin);
       return c;
     }
     if (const auto mt = j.find("model_type"); mt != j.end()) {
-      TPMOE_CHECK(mt->is_string(), "{}: field 'model_type' must be a string, got {}", origin,
-                  brief(*mt));
-      TPMOE_CHECK(*mt != kMultimodalModelType,
-                  "{}: model_type is \"{}\" but there is no 'text_config' object", origin,
+      TPMOE_CHECK(mt->is_string(), "{}: field 'model_type' must be a string, got {}", origin, brief(*mt));
+      TPMOE_CHECK(*mt != kMultimodalModelType, "{}: model_type is \"{}\" but there is no 'text_config' object", origin,
                   kMultimodalModelType);
       TPMOE_CHECK(*mt == kTextModelType,
                   "{}: field 'model_type' is {}, not a MiniMax-M3 config (expected \"{}\", or "
@@ -375,8 +357,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& o
 ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
   const std::string origin = path.string();
   std::error_code ec;
-  TPMOE_CHECK(std::filesystem::is_regular_file(path, ec),
-              "{}: config file not found or not a file", origin);
+  TPMOE_CHECK(std::filesystem::is_regular_file(path, ec), "{}: config file not found or not a file", origin);
   std::ifstream in(path, std::ios::binary);
   TPMOE_CHECK(in.good(), "{}: cannot open config file: {}", origin, std::strerror(errno));
   std::ostringstream text;
@@ -393,58 +374,49 @@ ModelConfig ModelConfig::from_file(const std::filesystem::path& path) {
 }
 
 void ModelConfig::validate(const std::string& origin) const {
-  for (const IntField& f : kIntFields)
-    check_int_range(origin, f.name, this->*f.member, f.min, f.max);
-  for (const IntField& f : kDerivedIntFields)
-    check_int_range(origin, f.name, this->*f.member, f.min, f.max);
+  for (const IntField& f : kIntFields) check_int_range(origin, f.name, this->*f.member, f.min, f.max);
+  for (const IntField& f : kDerivedIntFields) check_int_range(origin, f.name, this->*f.member, f.min, f.max);
 
   TPMOE_CHECK(num_heads % num_kv_heads == 0,
-              "{}: field 'num_attention_heads' ({}) must be a multiple of 'num_key_value_heads' ({})",
-              origin, num_heads, num_kv_heads);
+              "{}: field 'num_attention_heads' ({}) must be a multiple of 'num_key_value_heads' ({})", origin,
+              num_heads, num_kv_heads);
   TPMOE_CHECK(head_dim % 2 == 0, "{}: field 'head_dim' must be even, got {}", origin, head_dim);
   TPMOE_CHECK(rotary_dim % 2 == 0 && rotary_dim <= head_dim,
-              "{}: field 'rotary_dim' must be even and at most head_dim {}, got {}", origin,
-              head_dim, rotary_dim);
+              "{}: field 'rotary_dim' must be even and at most head_dim {}, got {}", origin, head_dim, rotary_dim);
   // Projection widths are computed as int products later; keep them in range too.
   TPMOE_CHECK(int64_t(num_heads) * head_dim <= kMaxDim,
-              "{}: num_attention_heads {} x head_dim {} exceeds the sanity bound {}", origin,
-              num_heads, head_dim, kMaxDim);
+              "{}: num_attention_heads {} x head_dim {} exceeds the sanity bound {}", origin, num_heads, head_dim,
+              kMaxDim);
 
-  TPMOE_CHECK(std::isfinite(rope_theta) && rope_theta > 0,
-              "{}: field 'rope_theta' must be positive, got {}", origin, rope_theta);
-  TPMOE_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0,
-              "{}: field 'rms_norm_eps' must be positive, got {}", origin, rms_norm_eps);
+  TPMOE_CHECK(std::isfinite(rope_theta) && rope_theta > 0, "{}: field 'rope_theta' must be positive, got {}", origin,
+              rope_theta);
+  TPMOE_CHECK(std::isfinite(rms_norm_eps) && rms_norm_eps > 0, "{}: field 'rms_norm_eps' must be positive, got {}",
+              origin, rms_norm_eps);
   TPMOE_CHECK(std::isfinite(routed_scaling_factor) && routed_scaling_factor > 0,
-              "{}: field 'routed_scaling_factor' must be positive, got {}", origin,
-              routed_scaling_factor);
-  TPMOE_CHECK(std::isfinite(swiglu_alpha), "{}: field 'swiglu_alpha' must be finite, got {}",
-              origin, swiglu_alpha);
-  TPMOE_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0,
-              "{}: field 'swiglu_limit' must be positive, got {}", origin, swiglu_limit);
+              "{}: field 'routed_scaling_factor' must be positive, got {}", origin, routed_scaling_factor);
+  TPMOE_CHECK(std::isfinite(swiglu_alpha), "{}: field 'swiglu_alpha' must be finite, got {}", origin, swiglu_alpha);
+  TPMOE_CHECK(std::isfinite(swiglu_limit) && swiglu_limit > 0, "{}: field 'swiglu_limit' must be positive, got {}",
+              origin, swiglu_limit);
 
   TPMOE_CHECK(int64_t(layer_types.size()) == num_layers,
-              "{}: list 'layer_types' has {} entries but num_hidden_layers is {}", origin,
-              layer_types.size(), num_layers);
+              "{}: list 'layer_types' has {} entries but num_hidden_layers is {}", origin, layer_types.size(),
+              num_layers);
   TPMOE_CHECK(int64_t(mlp_layer_types.size()) == num_layers,
-              "{}: list 'mlp_layer_types' has {} entries but num_hidden_layers is {}", origin,
-              mlp_layer_types.size(), num_layers);
+              "{}: list 'mlp_layer_types' has {} entries but num_hidden_layers is {}", origin, mlp_layer_types.size(),
+              num_layers);
 
   if (any_moe()) {
-    TPMOE_CHECK(num_experts > 0,
-                "{}: field 'num_local_experts' must be positive (MoE layers exist)", origin);
+    TPMOE_CHECK(num_experts > 0, "{}: field 'num_local_experts' must be positive (MoE layers exist)", origin);
     TPMOE_CHECK(num_experts_per_tok > 0 && num_experts_per_tok <= num_experts,
-                "{}: field 'num_experts_per_tok' must be in 1..num_local_experts ({}), got {}",
-                origin, num_experts, num_experts_per_tok);
-    TPMOE_CHECK(moe_intermediate_size > 0,
-                "{}: field 'intermediate_size' must be positive (MoE layers exist)", origin);
+                "{}: field 'num_experts_per_tok' must be in 1..num_local_experts ({}), got {}", origin, num_experts,
+                num_experts_per_tok);
+    TPMOE_CHECK(moe_intermediate_size > 0, "{}: field 'intermediate_size' must be positive (MoE layers exist)", origin);
   }
   TPMOE_CHECK(num_shared_experts == 0 || shared_intermediate_size > 0,
-              "{}: field 'n_shared_experts' is {} but 'shared_intermediate_size' is 0", origin,
-              num_shared_experts);
+              "{}: field 'n_shared_experts' is {} but 'shared_intermediate_size' is 0", origin, num_shared_experts);
   for (MlpType t : mlp_layer_types) {
     TPMOE_CHECK(t != MlpType::kDense || dense_intermediate_size > 0,
-                "{}: field 'dense_intermediate_size' must be positive (dense MLP layers exist)",
-                origin);
+                "{}: field 'dense_intermediate_size' must be positive (dense MLP layers exist)", origin);
   }
 
   if (any_sparse_attention()) {
@@ -457,12 +429,10 @@ void ModelConfig::validate(const std::string& origin) const {
                 "got {}",
                 origin, rotary_dim, index_head_dim);
     TPMOE_CHECK(int64_t(index_n_heads) * index_head_dim <= kMaxDim,
-                "{}: index_n_heads {} x index_head_dim {} exceeds the sanity bound {}", origin,
-                index_n_heads, index_head_dim, kMaxDim);
-    TPMOE_CHECK(index_block_size > 0,
-                "{}: field 'index_block_size' must be positive (sparse layers exist)", origin);
-    TPMOE_CHECK(index_topk_blocks > 0,
-                "{}: field 'index_topk_blocks' must be positive (sparse layers exist)", origin);
+                "{}: index_n_heads {} x index_head_dim {} exceeds the sanity bound {}", origin, index_n_heads,
+                index_head_dim, kMaxDim);
+    TPMOE_CHECK(index_block_size > 0, "{}: field 'index_block_size' must be positive (sparse layers exist)", origin);
+    TPMOE_CHECK(index_topk_blocks > 0, "{}: field 'index_topk_blocks' must be positive (sparse layers exist)", origin);
     // index_local_blocks >= 0 is already checked; 0 is allowed (see the top of this file).
   }
 }
@@ -492,16 +462,15 @@ nlohmann::json ModelConfig::to_json(JsonForm form) const {
     for (MlpType m : mlp_layer_types) mlps.push_back(int(m));
     t["sparse_attention_config"]["sparse_attention_freq"] = std::move(layers);
     t["moe_layer_freq"] = std::move(mlps);
-    return {{"model_type", kMultimodalModelType},
-            {"architectures", {"MiniMaxM3VLForConditionalGeneration"}},
-            {"vision_config",
-             {{"model_type", "minimax_m3_vl_vision"}, {"hidden_size", 64}, {"num_hidden_layers", 1},
-              {"patch_size", 14}}},
-            {"text_config", std::move(t)}};
+    return {
+        {"model_type", kMultimodalModelType},
+        {"architectures", {"MiniMaxM3VLForConditionalGeneration"}},
+        {"vision_config",
+         {{"model_type", "minimax_m3_vl_vision"}, {"hidden_size", 64}, {"num_hidden_layers", 1}, {"patch_size", 14}}},
+        {"text_config", std::move(t)}};
   }
   t["rotary_dim"] = rotary_dim;
-  t["rope_parameters"] = {
-      {"rope_theta", rope_theta}, {"partial_rotary_factor", factor}, {"rope_type", "default"}};
+  t["rope_parameters"] = {{"rope_theta", rope_theta}, {"partial_rotary_factor", factor}, {"rope_type", "default"}};
   for (AttentionType a : layer_types) layers.push_back(kAttentionNames[int(a)]);
   for (MlpType m : mlp_layer_types) mlps.push_back(kMlpNames[int(m)]);
   t["layer_types"] = std::move(layers);

@@ -15,13 +15,13 @@ enum class AttentionType { kFull, kSparse };  // "full_attention" / "minimax_m3_
 enum class MlpType { kDense, kMoe };          // "dense" / "sparse"
 
 struct ModelConfig {
-  int hidden_size = 0;                 // H
-  int num_layers = 0;                  // num_hidden_layers
-  int num_heads = 0;                   // nh: num_attention_heads
-  int num_kv_heads = 0;                // nkv: num_key_value_heads
-  int head_dim = 0;                    // hd (default hidden_size / num_heads)
-  int rotary_dim = 0;                  // rd: rotary_dim, or partial_rotary_factor * head_dim
-  double rope_theta = 10000.0;         // rope_parameters.rope_theta, or top-level rope_theta
+  int hidden_size = 0;          // H
+  int num_layers = 0;           // num_hidden_layers
+  int num_heads = 0;            // nh: num_attention_heads
+  int num_kv_heads = 0;         // nkv: num_key_value_heads
+  int head_dim = 0;             // hd (default hidden_size / num_heads)
+  int rotary_dim = 0;           // rd: rotary_dim, or partial_rotary_factor * head_dim
+  double rope_theta = 10000.0;  // rope_parameters.rope_theta, or top-level rope_theta
   int vocab_size = 0;
   float rms_norm_eps = 1e-6f;
 
@@ -36,9 +36,9 @@ struct ModelConfig {
   float swiglu_limit = 7.0f;
 
   // Lightning indexer (used only by sparse-attention layers).
-  int index_n_heads = 0;               // nih (must equal nkv when any layer is sparse)
-  int index_head_dim = 0;              // ihd
-  int index_block_size = 0;            // bs
+  int index_n_heads = 0;     // nih (must equal nkv when any layer is sparse)
+  int index_head_dim = 0;    // ihd
+  int index_block_size = 0;  // bs
   int index_topk_blocks = 0;
   int index_local_blocks = 0;
 

@@ -27,9 +27,10 @@ SharedExpertPlan plan_shared_expert(const ModelConfig& c, const ParallelLayout& 
   } else if (!o.shared_expert_fusion) {
     p.reason = "turned off (--shared-expert-fusion off): the shared expert runs as its own MLP";
   } else if (c.shared_intermediate_size != c.moe_intermediate_size) {
-    p.reason = fmt::format("refused: shared_intermediate_size {} != intermediate_size {}, so the shared expert "
-                           "is not an expert-shaped row",
-                           c.shared_intermediate_size, c.moe_intermediate_size);
+    p.reason = fmt::format(
+        "refused: shared_intermediate_size {} != intermediate_size {}, so the shared expert "
+        "is not an expert-shaped row",
+        c.shared_intermediate_size, c.moe_intermediate_size);
   } else if (!format_matches) {
     p.reason = "refused: shared and routed expert weights are stored in different formats";
   } else if (layout.expert_parallel) {

@@ -19,10 +19,10 @@ struct FusionOptions {
 
 // Where one partial sum gets reduced.
 enum class Reduce {
-  kNone,             // tp == 1: there is nothing to reduce
-  kImmediate,        // all_reduce right after the projection, then a plain add + RMSNorm
-  kFusedIntoNorm,    // attention: reduced inside this layer's post_attention_layernorm
-  kDeferred,         // MLP/MoE: left partial, reduced inside the next norm (next layer's input or final)
+  kNone,           // tp == 1: there is nothing to reduce
+  kImmediate,      // all_reduce right after the projection, then a plain add + RMSNorm
+  kFusedIntoNorm,  // attention: reduced inside this layer's post_attention_layernorm
+  kDeferred,       // MLP/MoE: left partial, reduced inside the next norm (next layer's input or final)
 };
 
 struct LayerPlan {
@@ -39,7 +39,7 @@ struct LayerPlan {
 };
 
 struct SharedExpertPlan {
-  bool fused = false;  // shared experts are expert rows E..E+n-1 of the routed weights
+  bool fused = false;     // shared experts are expert rows E..E+n-1 of the routed weights
   int physical_rows = 0;  // rows every expert-binned structure is sized by: E + n when fused, E otherwise
   std::string reason;
 };

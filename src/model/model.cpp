@@ -137,29 +137,33 @@ Tensor Model::forward(const StepTokens& step) {
     const LayerPlan& lp = plan_.layers[l];
     const LayerWeights& lw = w_.layers[l];
     const size_t layer_scratch = ops_.mark();
-    if (l == 0) ops_.rmsnorm(residual, lw.input_norm, eps, h);
-    else if (lp.fuse_input_allreduce) comm_.allreduce_add_rmsnorm(pending, residual, lw.input_norm, eps, h);
-    else ops_.add_rmsnorm(pending, residual, lw.input_norm, eps, h);
+    if (l == 0)
+      ops_.rmsnorm(residual, lw.input_norm, eps, h);
+    else if (lp.fuse_input_allreduce)
+      comm_.allreduce_add_rmsnorm(pending, residual, lw.input_norm, eps, h);
+    else
+      ops_.add_rmsnorm(pending, residual, lw.input_norm, eps, h);
 
     attention(l, h, T, attn_out);
     switch (lp.attention) {
       case Reduce::kFusedIntoNorm:
         comm_.allreduce_add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
         break;
-      case Reduce::kImmediate:
-        comm_.all_reduce(attn_out);
-        [[fallthrough]];
-      default:
-        ops_.add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
+      case Reduce::kImmediate: comm_.all_reduce(attn_out); [[fallthrough]];
+      default: ops_.add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
     }
 
-    if (c_.mlp_layer_types[l] == MlpType::kDense) mlp(h, lw.dense, T, pending);
-    else moe(l, h, T, pending);
+    if (c_.mlp_layer_types[l] == MlpType::kDense)
+      mlp(h, lw.dense, T, pending);
+    else
+      moe(l, h, T, pending);
     if (lp.mlp == Reduce::kImmediate) comm_.all_reduce(pending);
     ops_.release(layer_scratch);
   }
-  if (plan_.final_norm_fused) comm_.allreduce_add_rmsnorm(pending, residual, w_.final_norm, eps, h);
-  else ops_.add_rmsnorm(pending, residual, w_.final_norm, eps, h);
+  if (plan_.final_norm_fused)
+    comm_.allreduce_add_rmsnorm(pending, residual, w_.final_norm, eps, h);
+  else
+    ops_.add_rmsnorm(pending, residual, w_.final_norm, eps, h);
 
   const int rows = int(step.logit_rows.size());
   Tensor selected = ops_.alloc(rows, H), logits = ops_.alloc_typed(rows, c_.vocab_size, DType::kF32);

@@ -24,8 +24,8 @@ class Model {
   // Upper bound of the activation bytes one step of `max_tokens` tokens (and `max_logit_rows`
   // logit rows) allocates, for a backend that reserves its scratch up front. `act_bytes` is the
   // size of the backend's activation dtype.
-  static size_t activation_bytes(const ModelConfig& config, const RankShard& shard, int max_tokens,
-                                 int max_logit_rows, size_t act_bytes);
+  static size_t activation_bytes(const ModelConfig& config, const RankShard& shard, int max_tokens, int max_logit_rows,
+                                 size_t act_bytes);
   // Runs one step (the caller has made it current with ops.begin_step) and returns the logits of
   // step.logit_rows as [rows, vocab] fp32, in backend memory. Launches only: no host sync, so a
   // backend can capture it in a graph.

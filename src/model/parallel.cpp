@@ -22,8 +22,8 @@ void ParallelLayout::validate(const ModelConfig& c) const {
     TPMOE_CHECK(c.moe_intermediate_size % tp == 0, "--tp {} does not divide intermediate_size {}", tp,
                 c.moe_intermediate_size);
     if (c.num_shared_experts > 0)
-      TPMOE_CHECK(c.shared_intermediate_size % tp == 0, "--tp {} does not divide shared_intermediate_size {}",
-                  tp, c.shared_intermediate_size);
+      TPMOE_CHECK(c.shared_intermediate_size % tp == 0, "--tp {} does not divide shared_intermediate_size {}", tp,
+                  c.shared_intermediate_size);
   }
   if (std::any_of(c.mlp_layer_types.begin(), c.mlp_layer_types.end(), [](MlpType t) { return t == MlpType::kDense; }))
     TPMOE_CHECK(c.dense_intermediate_size % tp == 0, "--tp {} does not divide dense_intermediate_size {}", tp,

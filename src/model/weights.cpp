@@ -176,7 +176,8 @@ void load_moe(Loader& L, const io::Checkpoint& ck, const RankShard& s, const Fus
   const size_t es = dtype_size(dtype);
   for (int64_t e = 0; e < E; ++e) {
     const io::MlpViews ex = ck.routed_expert(l, int(e));
-    L.fill_row_blocks({{&ex.gate, s.moe_inter_begin, I}, {&ex.up, s.moe_inter_begin, I}}, gu + e * 2 * I * H * es, dtype);
+    L.fill_row_blocks({{&ex.gate, s.moe_inter_begin, I}, {&ex.up, s.moe_inter_begin, I}}, gu + e * 2 * I * H * es,
+                      dtype);
     L.fill_columns(ex.down, s.moe_inter_begin, I, dn + e * H * I * es, dtype);
   }
   if (c.num_shared_experts == 0) return;
@@ -200,7 +201,8 @@ bool shared_expert_format_matches(const io::Checkpoint& ck) {
   const ModelConfig& c = ck.config();
   for (int l = 0; l < c.num_layers; ++l) {
     if (c.mlp_layer_types[l] != MlpType::kMoe || c.num_shared_experts == 0) continue;
-    return weight_storage_dtype(ck.routed_expert(l, 0).gate.dtype) == weight_storage_dtype(ck.shared_experts(l).gate.dtype);
+    return weight_storage_dtype(ck.routed_expert(l, 0).gate.dtype) ==
+           weight_storage_dtype(ck.shared_experts(l).gate.dtype);
   }
   return true;
 }

@@ -17,13 +17,13 @@
 namespace tpmoe {
 
 struct AttentionWeights {
-  Tensor q_proj;  // [nq_local*hd, H]
+  Tensor q_proj;          // [nq_local*hd, H]
   Tensor k_proj, v_proj;  // [nkv_local*hd, H]
-  Tensor o_proj;  // [H, nq_local*hd]  row-parallel: its output is a partial sum
+  Tensor o_proj;          // [H, nq_local*hd]  row-parallel: its output is a partial sum
   Tensor q_norm, k_norm;  // [hd]
   // Sparse layers only.
-  Tensor index_q_proj;  // [nih_local*ihd, H]
-  Tensor index_k_proj;  // [ihd, H] replicated
+  Tensor index_q_proj;                // [nih_local*ihd, H]
+  Tensor index_k_proj;                // [ihd, H] replicated
   Tensor index_q_norm, index_k_norm;  // [ihd]
 };
 
@@ -33,8 +33,8 @@ struct MlpWeights {
 };
 
 struct MoeWeights {
-  Tensor router;  // [E, H] replicated
-  Tensor bias;    // [E] fp32
+  Tensor router;           // [E, H] replicated
+  Tensor bias;             // [E] fp32
   Tensor experts_gate_up;  // [R, 2I_local, H], R = physical rows (E, or E+n when fused)
   Tensor experts_down;     // [R, H, I_local]
   MlpWeights shared;       // the shared experts as one MLP when not fused (empty otherwise)
@@ -52,7 +52,7 @@ struct ModelWeights {
   Tensor final_norm;  // [H]
   Tensor lm_head;     // [V, H]
   std::vector<LayerWeights> layers;
-  size_t bytes = 0;   // total bytes of this rank's weights
+  size_t bytes = 0;                                   // total bytes of this rank's weights
   std::vector<std::unique_ptr<std::byte[]>> storage;  // owns everything above (host memory)
 };
 
@@ -63,11 +63,11 @@ void for_each_tensor(ModelWeights& w, F&& f) {
   f(w.final_norm);
   f(w.lm_head);
   for (LayerWeights& l : w.layers) {
-    for (Tensor* t : {&l.input_norm, &l.post_attention_norm, &l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj,
-                      &l.attn.o_proj, &l.attn.q_norm, &l.attn.k_norm, &l.attn.index_q_proj, &l.attn.index_k_proj,
-                      &l.attn.index_q_norm, &l.attn.index_k_norm, &l.dense.gate_up, &l.dense.down, &l.moe.router,
-                      &l.moe.bias, &l.moe.experts_gate_up, &l.moe.experts_down, &l.moe.shared.gate_up,
-                      &l.moe.shared.down})
+    for (Tensor* t : {&l.input_norm,          &l.post_attention_norm, &l.attn.q_proj,        &l.attn.k_proj,
+                      &l.attn.v_proj,         &l.attn.o_proj,         &l.attn.q_norm,        &l.attn.k_norm,
+                      &l.attn.index_q_proj,   &l.attn.index_k_proj,   &l.attn.index_q_norm,  &l.attn.index_k_norm,
+                      &l.dense.gate_up,       &l.dense.down,          &l.moe.router,         &l.moe.bias,
+                      &l.moe.experts_gate_up, &l.moe.experts_down,    &l.moe.shared.gate_up, &l.moe.shared.down})
       f(*t);
   }
 }

@@ -315,14 +315,14 @@ void CpuOps::argmax(Tensor logits, Tensor ids) {
   }
 }
 
-std::vector<int32_t> CpuOps::ids_to_host(Tensor ids) {
-  return {ids.as<int32_t>(), ids.as<int32_t>() + ids.numel()};
-}
+std::vector<int32_t> CpuOps::ids_to_host(Tensor ids) { return {ids.as<int32_t>(), ids.as<int32_t>() + ids.numel()}; }
 
 std::vector<float> CpuOps::to_host(Tensor t) {
   std::vector<float> v(static_cast<size_t>(t.numel()));
-  if (t.dtype == DType::kF32) std::memcpy(v.data(), t.data, t.nbytes());
-  else load_row(t, 0, t.numel(), v.data());
+  if (t.dtype == DType::kF32)
+    std::memcpy(v.data(), t.data, t.nbytes());
+  else
+    load_row(t, 0, t.numel(), v.data());
   return v;
 }
 

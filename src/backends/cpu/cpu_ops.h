@@ -38,8 +38,8 @@ class CpuOps final : public Ops {
 
  private:
   struct LayerCache {
-    std::vector<float> k, v;      // [max_seqs][max_len][num_kv_heads][head_dim]
-    std::vector<float> index_k;   // [max_seqs][max_len][index_head_dim], sparse layers only
+    std::vector<float> k, v;     // [max_seqs][max_len][num_kv_heads][head_dim]
+    std::vector<float> index_k;  // [max_seqs][max_len][index_head_dim], sparse layers only
   };
   const StepTokens* step_ = nullptr;
   CacheShape cache_shape_;

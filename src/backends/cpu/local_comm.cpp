@@ -25,13 +25,16 @@ class LocalCommunicator final : public Communicator {
   void allreduce_add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor y) override {
     const int64_t H = weight.dim(0), T = partial.numel() / H;
     std::vector<float> sum(static_cast<size_t>(partial.numel()));
-    if (g_.size_ == 1) std::memcpy(sum.data(), partial.data, partial.nbytes());
-    else sum_peers(partial, sum.data());
+    if (g_.size_ == 1)
+      std::memcpy(sum.data(), partial.data, partial.nbytes());
+    else
+      sum_peers(partial, sum.data());
     float* res = residual.as<float>();
     // residual + (p0 + p1 + ...): the same order as all_reduce followed by add, so the fused and
     // unfused paths agree bitwise.
     for (int64_t i = 0; i < T * H; ++i) res[i] += sum[i];
-    for (int64_t t = 0; t < T; ++t) gemma_rmsnorm_row(res + t * H, weight.as<float>(), int(H), eps, y.as<float>() + t * H);
+    for (int64_t t = 0; t < T; ++t)
+      gemma_rmsnorm_row(res + t * H, weight.as<float>(), int(H), eps, y.as<float>() + t * H);
     if (g_.size_ > 1) g_.barrier();  // peers may still be reading our partial
   }
 

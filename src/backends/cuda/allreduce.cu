@@ -13,6 +13,8 @@
 //   EmulatedPeers: N windows on one GPU; no barrier (the host runs phases one launch at a time).
 #include "backends/cuda/allreduce.cuh"
 
+#include "backends/cuda/kernel_utils.cuh"
+
 #include <nccl_device.h>
 
 #include <algorithm>
@@ -23,15 +25,8 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kWarp = 32;
-constexpr int kMaxThreads = 1024;
+constexpr int kMaxThreads = kMaxBlockThreads;
 constexpr int kMaxChunks = kMaxFusedHidden / 8 / kMaxThreads;  // 16-byte chunks per thread (1, 2 or 4)
-
-void check_arg(bool ok, const char* what) {
-  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what, __FILE__, __LINE__);
-}
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 struct EmulatedPeers {
   char* base[kMaxRanks];
@@ -53,30 +48,6 @@ struct NcclPeers {
   };
 };
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-// Sum over the block (blockDim.x a multiple of 32); every thread gets the total. Same shape as
-// norm.cu's, so the same inputs give the same bits.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_totals[kMaxThreads / kWarp];
-  __shared__ float total;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  v = warp_sum(v);
-  if (lane == 0) warp_totals[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < int(blockDim.x / kWarp) ? warp_totals[lane] : 0.f;
-    v = warp_sum(v);
-    if (lane == 0) total = v;
-  }
-  __syncthreads();
-  return total;
-}
-
 __device__ __forceinline__ void add_bf16x8(const uint4& raw, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
@@ -85,14 +56,6 @@ __device__ __forceinline__ void add_bf16x8(const uint4& raw, float (&f)[8]) {
     f[2 * j] += t.x;
     f[2 * j + 1] += t.y;
   }
-}
-
-__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
-  uint4 raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(f[2 * j], f[2 * j + 1]);
-  return raw;
 }
 
 __device__ __forceinline__ int64_t rows_begin(int q, const AllreduceNormParams& p) {
@@ -225,7 +188,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(AllreduceNormParam
         const float4* src = reinterpret_cast<const float4*>(owner + (begin + j) * p.hidden);
         norm_row<kChunks>(
             p, begin + j,
-            [&](int c, float (&v)[8]) {
+            [&](int c, float(&v)[8]) {
               const float4 r0 = src[2 * c], r1 = src[2 * c + 1];
               v[0] = r0.x, v[1] = r0.y, v[2] = r0.z, v[3] = r0.w, v[4] = r1.x, v[5] = r1.y, v[6] = r1.z, v[7] = r1.w;
             },
@@ -250,8 +213,10 @@ int block_size(int hidden) {
 template <int kChunks, class Peers>
 void launch_chunks(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, const Peers& peers, int grid,
                    int threads, cudaStream_t stream) {
-  if (algo == AllreduceAlgo::kOneShot) oneshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
-  else twoshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
+  if (algo == AllreduceAlgo::kOneShot)
+    oneshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
+  else
+    twoshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
 }
 
 template <class Peers>
@@ -278,8 +243,8 @@ bool allreduce_fused_supported(const AllreduceNormParams& p) {
          aligned16(p.residual) && aligned16(p.weight) && aligned16(p.out);
 }
 
-void launch_allreduce_norm_emulated(const AllreduceNormParams& p, AllreduceAlgo algo, int phases,
-                                    void* const* windows, cudaStream_t stream) {
+void launch_allreduce_norm_emulated(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, void* const* windows,
+                                    cudaStream_t stream) {
   if (p.rows == 0) return;
   EmulatedPeers peers{};
   for (int r = 0; r < p.nranks && r < kMaxRanks; ++r) peers.base[r] = static_cast<char*>(windows[r]);

@@ -80,8 +80,8 @@ bool allreduce_fused_supported(const AllreduceNormParams& p);
 
 // N ranks emulated on the current GPU: `windows[r]` is rank r's window (WindowLayout bytes). Runs
 // the given phases of rank p.rank only; the caller runs each phase for every rank before the next.
-void launch_allreduce_norm_emulated(const AllreduceNormParams& p, AllreduceAlgo algo, int phases,
-                                    void* const* windows, cudaStream_t stream);
+void launch_allreduce_norm_emulated(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, void* const* windows,
+                                    cudaStream_t stream);
 
 // The real thing: peers through NCCL's LSA pointers into `window`, LSA barrier `blockIdx.x` of
 // `dev_comm` between phases (dev_comm created with at least kMaxAllreduceBlocks LSA barriers).

@@ -127,8 +127,8 @@ void run_allreduce_bench(int tp) {
   ncclUniqueId id{};
   if (cuda::launched_by_mpi()) {
     const cuda::MpiWorld& world = cuda::mpi_world();
-    TPMOE_CHECK(tp == 1 || tp == world.size, "bench-op allreduce --tp {} under mpirun -np {}: give --tp {} or none",
-                tp, world.size, world.size);
+    TPMOE_CHECK(tp == 1 || tp == world.size, "bench-op allreduce --tp {} under mpirun -np {}: give --tp {} or none", tp,
+                world.size, world.size);
     ranks = world.size;
     int gpus = 0;
     cudaGetDeviceCount(&gpus);
@@ -163,9 +163,10 @@ void run_allreduce_bench(int tp) {
   int device = 0;
   cudaGetDevice(&device);
   cudaGetDeviceProperties(&prop, device);
-  fmt::print("all-reduce + residual + RMSNorm, hidden {}, bf16 partials, tp {} ({}), median of {} graph replays x {} "
-             "calls, microseconds per call (rank 0)\n",
-             kHidden, ranks, prop.name, kReps, kIters);
+  fmt::print(
+      "all-reduce + residual + RMSNorm, hidden {}, bf16 partials, tp {} ({}), median of {} graph replays x {} "
+      "calls, microseconds per call (rank 0)\n",
+      kHidden, ranks, prop.name, kReps, kIters);
   fmt::print("{:>6} {:>9} {:>10} {:>10} {:>10} {:>11} {:>9}\n", "tokens", "MB/rank", "auto", "one-shot", "two-shot",
              "nccl+norm", "nccl");
   for (const Row& r : rows) {

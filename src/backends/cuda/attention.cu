@@ -47,10 +47,10 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kTile = 32;              // keys per attention tile: one per lane
-constexpr int kMaxWarps = 16;          // query heads one attention block serves
-constexpr int kMaxTopk = 256;          // kept blocks per (token, index head) the kernels support
-constexpr int kMinChunk = 256;         // keys per split, at least
+constexpr int kTile = 32;                   // keys per attention tile: one per lane
+constexpr int kMaxWarps = 16;               // query heads one attention block serves
+constexpr int kMaxTopk = 256;               // kept blocks per (token, index head) the kernels support
+constexpr int kMinChunk = 256;              // keys per split, at least
 constexpr int64_t kMaxPartialRows = 16384;  // (token, q head, split) partial rows, at most
 constexpr int kSelectThreads = 256;
 constexpr int kCacheWriteThreads = 128;
@@ -63,7 +63,6 @@ constexpr size_t kAlign = 256;
 constexpr uint32_t kKeyNegInf = 0x007FFFFFu;  // key(-inf)
 constexpr uint32_t kKeyPosInf = 0xFF800000u;  // key(+inf)
 constexpr uint32_t kKeyRemoved = 0u;          // below every float's key
-
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
@@ -97,7 +96,6 @@ size_t partial_bytes(int num_tokens, int num_q_heads, int head_dim, int max_len)
 
 // ---------------------------------------------------------------------------------------------
 // Device helpers
-
 
 __device__ __forceinline__ uint32_t order_key(float f) {
   uint32_t u = __float_as_uint(f);
@@ -261,8 +259,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   int32_t* out = a.kept + (size_t(t) * a.num_index_heads + g) * a.topk;
   const int keep = min(a.topk, num_blocks);
   if (keep == num_blocks) {  // every block is kept (short context): no ranking needed
-    for (int e = tid; e < a.topk; e += blockDim.x)
-      out[e] = (e < num_blocks && block_key[e] != kKeyNegInf) ? e : -1;
+    for (int e = tid; e < a.topk; e += blockDim.x) out[e] = (e < num_blocks && block_key[e] != kKeyNegInf) ? e : -1;
     return;
   }
 
@@ -342,7 +339,7 @@ struct SplitArgs {
 
 template <int HD>
 __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const SplitArgs a) {
-  constexpr int kChunks = HD / 8;  // 16-byte vectors per row
+  constexpr int kChunks = HD / 8;   // 16-byte vectors per row
   constexpr int kDpl = HD / kWarp;  // head dims per lane
   constexpr int kKStride = HD + 8;  // padding: lane r reading row r hits distinct banks
   __shared__ __align__(16) __nv_bfloat16 k_tile[kTile * kKStride];
@@ -424,8 +421,10 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
         int lo_e = 0, hi_e = num_segs - 1;
         while (lo_e < hi_e) {
           const int mid = (lo_e + hi_e + 1) / 2;
-          if (seg_off[mid] <= i) lo_e = mid;
-          else hi_e = mid - 1;
+          if (seg_off[mid] <= i)
+            lo_e = mid;
+          else
+            hi_e = mid - 1;
         }
         p = seg_start[lo_e] + (i - seg_off[lo_e]);
       }
@@ -558,8 +557,8 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
   const bool sparse = p.index_q != nullptr;
   const KvCacheLayer& c = p.cache;
   check_arg(p.num_q_heads > 0 && p.num_kv_heads > 0 && p.num_q_heads % p.num_kv_heads == 0,
-            "attention: num_q_heads=" + std::to_string(p.num_q_heads) + " must be a positive multiple of num_kv_heads=" +
-                std::to_string(p.num_kv_heads));
+            "attention: num_q_heads=" + std::to_string(p.num_q_heads) +
+                " must be a positive multiple of num_kv_heads=" + std::to_string(p.num_kv_heads));
   check_arg(c.num_kv_heads == p.num_kv_heads && c.head_dim == p.head_dim,
             "attention: the KV cache layer's num_kv_heads/head_dim differ from the op's");
   check_arg(c.max_len > 0 && c.max_seqs > 0, "attention: empty KV cache layer");
@@ -571,9 +570,9 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     check_arg(p.index_k && c.index_k, "attention: sparse layer without index_k or index-key cache");
     check_arg(aligned16(p.index_q) && aligned16(p.index_k) && aligned16(c.index_k),
               "attention: index_q, index_k and the index-key cache must be 16-byte aligned");
-    check_arg(p.num_index_heads == p.num_kv_heads,
-              "attention: num_index_heads=" + std::to_string(p.num_index_heads) + " must equal num_kv_heads=" +
-                  std::to_string(p.num_kv_heads) + " (SPEC §1.4)");
+    check_arg(p.num_index_heads == p.num_kv_heads, "attention: num_index_heads=" + std::to_string(p.num_index_heads) +
+                                                       " must equal num_kv_heads=" + std::to_string(p.num_kv_heads) +
+                                                       " (SPEC §1.4)");
     check_arg(p.index_head_dim > 0 && p.index_head_dim % 8 == 0 && c.index_head_dim == p.index_head_dim,
               "attention: index_head_dim=" + std::to_string(p.index_head_dim) +
                   " must be a positive multiple of 8 and match the cache");
@@ -595,7 +594,10 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
             "attention: workspace of " + std::to_string(p.workspace_bytes) + " bytes, the step needs " +
                 std::to_string(need) + " (size it with attention_workspace_bytes)");
   switch (p.head_dim) {
-    case 32: case 64: case 128: case 256: break;
+    case 32:
+    case 64:
+    case 128:
+    case 256: break;
     default:
       check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim) +
                            " (kernels are built for 32, 64, 128, 256)");

@@ -13,17 +13,17 @@ namespace tpmoe::cuda {
 
 }  // namespace tpmoe::cuda
 
-#define CUDA_CHECK(expr)                                                                     \
-  do {                                                                                       \
-    const cudaError_t tpmoe_err_ = (expr);                                                   \
+#define CUDA_CHECK(expr)                                                                                   \
+  do {                                                                                                     \
+    const cudaError_t tpmoe_err_ = (expr);                                                                 \
     if (tpmoe_err_ != cudaSuccess) ::tpmoe::cuda::throw_cuda_error(tpmoe_err_, #expr, __FILE__, __LINE__); \
   } while (0)
 
 // After every kernel launch: a bad configuration surfaces here, not at the next sync.
 #define CUDA_CHECK_LAUNCH() CUDA_CHECK(cudaGetLastError())
 
-#define CUBLAS_CHECK(expr)                                                                          \
-  do {                                                                                              \
-    const cublasStatus_t tpmoe_st_ = (expr);                                                        \
+#define CUBLAS_CHECK(expr)                                                                                           \
+  do {                                                                                                               \
+    const cublasStatus_t tpmoe_st_ = (expr);                                                                         \
     if (tpmoe_st_ != CUBLAS_STATUS_SUCCESS) ::tpmoe::cuda::throw_cublas_error(tpmoe_st_, #expr, __FILE__, __LINE__); \
   } while (0)

@@ -36,8 +36,10 @@ class CudaEngine final : public Engine {
     layout_.tp = options.tp;
     layout_.pp_stage_ends = options.pp_stage_ends;
     layout_.validate(config_);
-    TPMOE_CHECK(options.tp == 1, "--device cuda --tp {}: tensor parallelism on GPUs needs the NCCL communicator, "
-                "which this build does not have yet; use --tp 1 or --device cpu", options.tp);
+    TPMOE_CHECK(options.tp == 1,
+                "--device cuda --tp {}: tensor parallelism on GPUs needs the NCCL communicator, "
+                "which this build does not have yet; use --tp 1 or --device cpu",
+                options.tp);
     int devices = 0;
     TPMOE_CHECK(cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0, "--device cuda: no CUDA GPU is visible");
     plan_ = build_fusion_plan(config_, layout_, {options.allreduce_fusion, options.shared_expert_fusion},
@@ -108,7 +110,8 @@ std::unique_ptr<Engine> make_cuda_engine(const io::Checkpoint& ckpt, const Engin
   return engine;
 }
 
-std::unique_ptr<Engine> make_cuda_preset_engine(const ModelConfig& config, uint64_t seed, const EngineOptions& options) {
+std::unique_ptr<Engine> make_cuda_preset_engine(const ModelConfig& config, uint64_t seed,
+                                                const EngineOptions& options) {
   if (cuda::use_nccl_engine(options)) return cuda::make_tp_preset_engine(config, seed, options);
   auto engine = std::make_unique<CudaEngine>(config, options, true);
   engine->generate_preset(seed);

@@ -115,8 +115,8 @@ void CudaOps::init_cache(const CacheShape& shape) {
   size_t total = 0;
   for (int l = 0; l < shape.num_layers; ++l) total += 2 * kv_bytes + (shape.sparse_layer[l] ? index_bytes : 0);
   attention_workspace_bytes_ =
-      attention_workspace_bytes(reserve_.max_tokens, reserve_.num_q_heads, reserve_.num_index_heads,
-                                reserve_.head_dim, shape.max_len, reserve_.block_size, reserve_.topk_blocks);
+      attention_workspace_bytes(reserve_.max_tokens, reserve_.num_q_heads, reserve_.num_index_heads, reserve_.head_dim,
+                                shape.max_len, reserve_.block_size, reserve_.topk_blocks);
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   TPMOE_CHECK(total + attention_workspace_bytes_ <= free_bytes,
@@ -235,9 +235,9 @@ void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
 
 void CudaOps::head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) {
   const auto timer = timed("head_norm_rope");
-  launch_head_norm_rope({bf16_mut(x), weight.as<float>(), positions_, int(x.dim(0)), num_heads, p.head_dim,
-                         p.rotary_dim, p.theta, p.eps},
-                        stream_);
+  launch_head_norm_rope(
+      {bf16_mut(x), weight.as<float>(), positions_, int(x.dim(0)), num_heads, p.head_dim, p.rotary_dim, p.theta, p.eps},
+      stream_);
 }
 
 void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,

@@ -7,8 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <map>
-#include <string>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "backends/cuda/attention.cuh"
@@ -20,8 +20,8 @@ namespace tpmoe::cuda {
 // What CudaOps reserves at construction. The engine derives it from the model (Model::activation_bytes,
 // moe_workspace_bytes) so a step can never run out of scratch.
 struct CudaReserve {
-  int max_tokens = 0;       // tokens per step
-  size_t arena_bytes = 0;   // activations of one step
+  int max_tokens = 0;      // tokens per step
+  size_t arena_bytes = 0;  // activations of one step
   size_t moe_workspace_bytes = 0;
   // Attention workspace dimensions (the context length comes with init_cache).
   int num_q_heads = 0, num_index_heads = 0, head_dim = 0, block_size = 1, topk_blocks = 1;

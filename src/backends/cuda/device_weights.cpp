@@ -44,8 +44,8 @@ std::unique_ptr<DeviceWeights> DeviceWeights::upload(const ModelWeights& host_in
       CUDA_CHECK(cudaMemcpy(dst.data, s.data, s.nbytes(), cudaMemcpyHostToDevice));
       return;
     }
-    TPMOE_CHECK(s.dtype == DType::kF32 && dtype == DType::kBF16, "upload: cannot convert {} to {}",
-                dtype_name(s.dtype), dtype_name(dtype));
+    TPMOE_CHECK(s.dtype == DType::kF32 && dtype == DType::kBF16, "upload: cannot convert {} to {}", dtype_name(s.dtype),
+                dtype_name(dtype));
     std::vector<uint16_t> converted(size_t(s.numel()));
     for (size_t k = 0; k < converted.size(); ++k) converted[k] = f32_to_bf16(s.as<const float>()[k]);
     CUDA_CHECK(cudaMemcpy(dst.data, converted.data(), dst.nbytes(), cudaMemcpyHostToDevice));

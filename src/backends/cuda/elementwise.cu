@@ -29,12 +29,10 @@ constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 16;
 constexpr int kArgmaxThreads = 512;
 
-
 unsigned grid_for(int64_t work_items) {
   const int64_t blocks = (work_items + kThreads - 1) / kThreads;
   return unsigned(blocks < kMaxBlocks ? blocks : kMaxBlocks);
 }
-
 
 __device__ __forceinline__ int64_t global_thread() { return int64_t(blockIdx.x) * blockDim.x + threadIdx.x; }
 __device__ __forceinline__ int64_t grid_stride() { return int64_t(gridDim.x) * blockDim.x; }
@@ -88,7 +86,6 @@ __global__ void add_bf16_kernel(const __nv_bfloat16* x, __nv_bfloat16* y, int64_
 
 // ---- swiglu --------------------------------------------------------------------------------------
 
-
 template <bool kVec>
 __global__ void swiglu_kernel(SwigluKernelParams p) {
   const int64_t n = p.n;
@@ -107,8 +104,7 @@ __global__ void swiglu_kernel(SwigluKernelParams p) {
       for (int j = 0; j < 8; ++j) o[j] = swiglu_oai(g[j], u[j], p.alpha, p.limit);
       reinterpret_cast<uint4*>(out)[c] = pack_bf16x8(o);
     } else {
-      out[c] = __float2bfloat16_rn(
-          swiglu_oai(__bfloat162float(gate[c]), __bfloat162float(up[c]), p.alpha, p.limit));
+      out[c] = __float2bfloat16_rn(swiglu_oai(__bfloat162float(gate[c]), __bfloat162float(up[c]), p.alpha, p.limit));
     }
   }
 }
@@ -116,8 +112,8 @@ __global__ void swiglu_kernel(SwigluKernelParams p) {
 // ---- gather_rows ---------------------------------------------------------------------------------
 
 template <bool kVec>
-__global__ void gather_rows_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ rows,
-                                   int num_rows, int cols, __nv_bfloat16* __restrict__ out) {
+__global__ void gather_rows_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ rows, int num_rows,
+                                   int cols, __nv_bfloat16* __restrict__ out) {
   const int64_t per_row = kVec ? cols / 8 : cols;
   const int64_t total = int64_t(num_rows) * per_row;
   for (int64_t idx = global_thread(); idx < total; idx += grid_stride()) {
@@ -154,8 +150,8 @@ __device__ __forceinline__ void consider(Best& b, float v, int32_t i) {
 }
 
 template <bool kVec>
-__global__ void __launch_bounds__(kArgmaxThreads) argmax_kernel(const float* __restrict__ logits, int vocab,
-                                                                 int32_t* __restrict__ ids) {
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const float* __restrict__ logits, int vocab, int32_t* __restrict__ ids) {
   const float* row = logits + int64_t(blockIdx.x) * vocab;
   Best best{-__int_as_float(0x7f800000), INT32_MAX};
   if constexpr (kVec) {
@@ -212,8 +208,10 @@ __global__ void fill_random_kernel(void* out, int64_t n, uint64_t stream_key, ui
     const float unit = __fmul_rn(float(uint32_t(bits >> 40)), 1.0f / float(1u << 24));
     // (2.f * unit - 1.f) * 1.7320508f * stddev, evaluated left to right with no FMA, as the host does.
     const float v = __fmul_rn(__fmul_rn(__fadd_rn(__fmul_rn(2.f, unit), -1.f), 1.7320508f), stddev);
-    if constexpr (kF32) static_cast<float*>(out)[i] = v;
-    else static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+    if constexpr (kF32)
+      static_cast<float*>(out)[i] = v;
+    else
+      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
   }
 }
 
@@ -224,8 +222,10 @@ void launch_embed(const EmbedParams& p, cudaStream_t stream) {
   check_arg(p.table && p.token_ids && p.out, "embed: table, token_ids and out must be set");
   const bool vec = p.hidden % 8 == 0 && aligned16(p.table) && aligned16(p.out);
   const int64_t items = int64_t(p.num_tokens) * (vec ? p.hidden / 8 : p.hidden);
-  if (vec) embed_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(p);
-  else embed_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(p);
+  if (vec)
+    embed_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(p);
+  else
+    embed_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -233,8 +233,10 @@ void launch_add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaSt
   if (n <= 0) return;
   check_arg(x && y, "add_bf16: x and y must be set");
   const bool vec = n % 8 == 0 && aligned16(x) && aligned16(y);
-  if (vec) add_bf16_kernel<true><<<grid_for(n / 8), kThreads, 0, stream>>>(x, y, n);
-  else add_bf16_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(x, y, n);
+  if (vec)
+    add_bf16_kernel<true><<<grid_for(n / 8), kThreads, 0, stream>>>(x, y, n);
+  else
+    add_bf16_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(x, y, n);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -244,8 +246,10 @@ void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream) {
   // Row starts are 16-byte aligned when n % 8 == 0 (gate_up rows are 4n bytes, out rows 2n).
   const bool vec = p.n % 8 == 0 && aligned16(p.gate_up) && aligned16(p.out);
   const int64_t items = int64_t(p.rows) * (vec ? p.n / 8 : p.n);
-  if (vec) swiglu_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(p);
-  else swiglu_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(p);
+  if (vec)
+    swiglu_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(p);
+  else
+    swiglu_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -255,8 +259,10 @@ void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_row
   check_arg(x && rows && out, "gather_rows: x, rows and out must be set");
   const bool vec = cols % 8 == 0 && aligned16(x) && aligned16(out);
   const int64_t items = int64_t(num_rows) * (vec ? cols / 8 : cols);
-  if (vec) gather_rows_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(x, rows, num_rows, cols, out);
-  else gather_rows_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(x, rows, num_rows, cols, out);
+  if (vec)
+    gather_rows_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(x, rows, num_rows, cols, out);
+  else
+    gather_rows_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(x, rows, num_rows, cols, out);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -265,8 +271,10 @@ void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, cudaS
   check_arg(vocab > 0, "argmax: vocab must be positive");
   check_arg(logits && ids, "argmax: logits and ids must be set");
   const bool vec = vocab % 4 == 0 && aligned16(logits);
-  if (vec) argmax_kernel<true><<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, ids);
-  else argmax_kernel<false><<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, ids);
+  if (vec)
+    argmax_kernel<true><<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, ids);
+  else
+    argmax_kernel<false><<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, ids);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -275,8 +283,10 @@ void launch_fill_random(void* out, bool out_f32, int64_t n, uint64_t seed, uint6
   if (n <= 0) return;
   check_arg(out != nullptr, "fill_random: out must be set");
   const uint64_t stream_key = splitmix64(seed ^ key);
-  if (out_f32) fill_random_kernel<true><<<grid_for(n), kThreads, 0, stream>>>(out, n, stream_key, index_offset, stddev);
-  else fill_random_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(out, n, stream_key, index_offset, stddev);
+  if (out_f32)
+    fill_random_kernel<true><<<grid_for(n), kThreads, 0, stream>>>(out, n, stream_key, index_offset, stddev);
+  else
+    fill_random_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(out, n, stream_key, index_offset, stddev);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -33,6 +33,26 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
+// Sum over the block (blockDim.x a multiple of 32, at most kMaxBlockThreads); every thread gets the
+// total. One shape for every normalising kernel, so the fused all-reduce norms and the plain norm
+// give the same bits for the same row.
+constexpr int kMaxBlockThreads = 1024;
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float warp_totals[kMaxBlockThreads / kWarp];
+  __shared__ float total;
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  v = warp_sum(v);
+  if (lane == 0) warp_totals[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < int(blockDim.x / kWarp) ? warp_totals[lane] : 0.f;
+    v = warp_sum(v);
+    if (lane == 0) total = v;
+  }
+  __syncthreads();
+  return total;
+}
+
 __device__ __forceinline__ void unpack_bf16x8(const uint4& raw, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll

@@ -42,7 +42,8 @@
 // then lets its dependents launch, so the next grid's CTAs are already resident when one finishes.
 // At a single token (MoeTuning; measured slower at larger batches, where it doubles the L2 requests
 // of every down CTA) the down CTAs prefetch the first 64 KiB of their weight tile into L2 before
-// their wait (cp.async.bulk.prefetch). PDL is used up to 64 tokens (measured slower beyond). The combine runs on a (T, hidden / 1024) grid of float4 loads.
+// their wait (cp.async.bulk.prefetch). PDL is used up to 64 tokens (measured slower beyond). The combine runs on a (T,
+// hidden / 1024) grid of float4 loads.
 //
 // Bytes (decode): each active expert row reads 3*I*H*2 bytes of weights once (113 MB at M3 shapes);
 // x, act, y are small next to that. FLOPs: 2 * P * 3 * I * H.
@@ -58,6 +59,8 @@
 // version (bm = 32 always, 16 j per gate_up CTA, no PDL): T=1 0.215 ms = 2.6 TB/s of weights.
 #include "backends/cuda/moe.cuh"
 
+#include "backends/cuda/kernel_utils.cuh"
+
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -68,13 +71,6 @@
 namespace tpmoe::cuda {
 
 namespace {
-
-// Host-side argument checks: the kernels' own files pull in no fmt, so a bad argument is reported as
-// a CUDA invalid-value error that names the problem.
-#define MOE_ARG_CHECK(cond, what)                                                                 \
-  do {                                                                                            \
-    if (!(cond)) ::tpmoe::cuda::throw_cuda_error(cudaErrorInvalidValue, what, __FILE__, __LINE__); \
-  } while (0)
 
 constexpr float kNegInf = -INFINITY;
 
@@ -179,7 +175,7 @@ struct WorkspaceLayout {
   size_t act = 0;           // bf16 [P, inter], sorted order
   size_t y = 0;             // fp32 [P, hidden], by pair index, already times the slot weight
   size_t total = 0;
-  int64_t max_blocks = 0;   // for the smallest token block (any block_m fits)
+  int64_t max_blocks = 0;  // for the smallest token block (any block_m fits)
 };
 
 WorkspaceLayout workspace_layout(int64_t tokens, int slots, int hidden, int inter, int num_rows) {
@@ -304,12 +300,30 @@ constexpr int kGemmThreads = kGemmWarps * 32;
 //       thread: U * MT * 2); contiguous, so a warp reads U * 64 bytes of each row per step.
 template <bool kGateUp, int NT>
 struct GemmShape;
-template <> struct GemmShape<true, 1> { static constexpr int MT = 1, U = 8; };
-template <> struct GemmShape<true, 2> { static constexpr int MT = 1, U = 4; };
-template <> struct GemmShape<true, 4> { static constexpr int MT = 2, U = 2; };
-template <> struct GemmShape<false, 1> { static constexpr int MT = 2, U = 4; };
-template <> struct GemmShape<false, 2> { static constexpr int MT = 2, U = 3; };
-template <> struct GemmShape<false, 4> { static constexpr int MT = 2, U = 2; };
+template <>
+struct GemmShape<true, 1> {
+  static constexpr int MT = 1, U = 8;
+};
+template <>
+struct GemmShape<true, 2> {
+  static constexpr int MT = 1, U = 4;
+};
+template <>
+struct GemmShape<true, 4> {
+  static constexpr int MT = 2, U = 2;
+};
+template <>
+struct GemmShape<false, 1> {
+  static constexpr int MT = 2, U = 4;
+};
+template <>
+struct GemmShape<false, 2> {
+  static constexpr int MT = 2, U = 3;
+};
+template <>
+struct GemmShape<false, 4> {
+  static constexpr int MT = 2, U = 2;
+};
 
 template <bool kGateUp, int NT>
 constexpr int rows_per_cta() {
@@ -370,12 +384,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint3
       "{%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float swiglu_oai(float gate, float up, float alpha, float limit) {
-  gate = fminf(gate, limit);
-  up = fminf(fmaxf(up, -limit), limit);
-  return (up + 1.f) * gate * (1.f / (1.f + expf(-alpha * gate)));
 }
 
 __device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
@@ -605,8 +613,6 @@ __global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t n, fl
     out[i] = f32_to_bf16_bits(in[i] * scale);
 }
 
-bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15u) == 0; }
-
 MoeTuning g_tuning;
 
 // cudaLaunchKernelEx with the programmatic-stream-serialization attribute when pdl is set.
@@ -630,23 +636,26 @@ template <bool kGateUp>
 void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, cudaStream_t stream, bool pdl) {
   auto go = [&](auto kernel, int rows_per) {
     const dim3 grid(blocks, unsigned((rows_total + rows_per - 1) / rows_per));
-    MOE_ARG_CHECK(grid.y <= 65535, "launch_moe: inter or hidden too large for the grid");
+    check_arg(grid.y <= 65535, "launch_moe: inter or hidden too large for the grid");
     launch_k(kernel, grid, dim3(kGemmThreads), 0, stream, pdl, gp);
   };
-  if (nt == 1) go(moe_gemm_kernel<kGateUp, 1>, rows_per_cta<kGateUp, 1>());
-  else if (nt == 2) go(moe_gemm_kernel<kGateUp, 2>, rows_per_cta<kGateUp, 2>());
-  else go(moe_gemm_kernel<kGateUp, 4>, rows_per_cta<kGateUp, 4>());
+  if (nt == 1)
+    go(moe_gemm_kernel<kGateUp, 1>, rows_per_cta<kGateUp, 1>());
+  else if (nt == 2)
+    go(moe_gemm_kernel<kGateUp, 2>, rows_per_cta<kGateUp, 2>());
+  else
+    go(moe_gemm_kernel<kGateUp, 4>, rows_per_cta<kGateUp, 4>());
 }
 
 }  // namespace
 
 void launch_route(const RouteKernelParams& p, cudaStream_t stream) {
-  MOE_ARG_CHECK(p.num_tokens >= 0, "launch_route: num_tokens < 0");
-  MOE_ARG_CHECK(p.num_experts >= 1 && p.num_experts <= 32 * kRouteMaxPerLane,
-                "launch_route: num_experts must be in [1, 256]");
-  MOE_ARG_CHECK(p.top_k >= 1 && p.top_k <= 32 && p.top_k <= p.num_experts,
-                "launch_route: top_k must be in [1, min(32, num_experts)]");
-  MOE_ARG_CHECK(p.num_shared >= 0, "launch_route: num_shared < 0");
+  check_arg(p.num_tokens >= 0, "launch_route: num_tokens < 0");
+  check_arg(p.num_experts >= 1 && p.num_experts <= 32 * kRouteMaxPerLane,
+            "launch_route: num_experts must be in [1, 256]");
+  check_arg(p.top_k >= 1 && p.top_k <= 32 && p.top_k <= p.num_experts,
+            "launch_route: top_k must be in [1, min(32, num_experts)]");
+  check_arg(p.num_shared >= 0, "launch_route: num_shared < 0");
   if (p.num_tokens == 0) return;
   const int blocks = (p.num_tokens + kRouteWarps - 1) / kRouteWarps;
   route_kernel<<<blocks, kRouteWarps * 32, 0, stream>>>(p);
@@ -658,16 +667,16 @@ size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int
 }
 
 void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
-  MOE_ARG_CHECK(p.num_tokens >= 0 && p.slots >= 1 && p.hidden >= 1 && p.inter >= 1,
-                "launch_moe: need num_tokens >= 0, slots >= 1, hidden >= 1, inter >= 1");
-  MOE_ARG_CHECK(p.num_rows >= 1 && p.num_rows <= kMaxAlignRows, "launch_moe: num_rows must be in [1, 4096]");
-  MOE_ARG_CHECK(int64_t(p.num_tokens) * p.slots <= (int64_t(1) << 30), "launch_moe: too many (token, slot) pairs");
+  check_arg(p.num_tokens >= 0 && p.slots >= 1 && p.hidden >= 1 && p.inter >= 1,
+            "launch_moe: need num_tokens >= 0, slots >= 1, hidden >= 1, inter >= 1");
+  check_arg(p.num_rows >= 1 && p.num_rows <= kMaxAlignRows, "launch_moe: num_rows must be in [1, 4096]");
+  check_arg(int64_t(p.num_tokens) * p.slots <= (int64_t(1) << 30), "launch_moe: too many (token, slot) pairs");
   if (p.num_tokens == 0) return;
   const WorkspaceLayout l = workspace_layout(p.num_tokens, p.slots, p.hidden, p.inter, p.num_rows);
-  MOE_ARG_CHECK(p.workspace != nullptr && p.workspace_bytes >= l.total && aligned16(p.workspace),
-                "launch_moe: workspace missing, misaligned or smaller than moe_workspace_bytes(num_tokens, ...)");
-  MOE_ARG_CHECK(p.out != static_cast<const void*>(p.x), "launch_moe: out must not alias x");
-  MOE_ARG_CHECK(l.max_blocks <= 0x7fffffff, "launch_moe: too many token blocks");
+  check_arg(p.workspace != nullptr && p.workspace_bytes >= l.total && aligned16(p.workspace),
+            "launch_moe: workspace missing, misaligned or smaller than moe_workspace_bytes(num_tokens, ...)");
+  check_arg(p.out != static_cast<const void*>(p.x), "launch_moe: out must not alias x");
+  check_arg(l.max_blocks <= 0x7fffffff, "launch_moe: too many token blocks");
 
   std::byte* ws = static_cast<std::byte*>(p.workspace);
   auto* offsets = reinterpret_cast<int32_t*>(ws + l.offsets);
@@ -750,7 +759,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   cp.vec = p.hidden % 4 == 0 && (reinterpret_cast<uintptr_t>(p.out) & 7u) == 0;
   cp.scale = p.scale;
   const unsigned chunks = unsigned((p.hidden + kCombineThreads * kCombineVec - 1) / (kCombineThreads * kCombineVec));
-  MOE_ARG_CHECK(chunks <= 65535, "launch_moe: hidden too large for the combine grid");
+  check_arg(chunks <= 65535, "launch_moe: hidden too large for the combine grid");
   launch_k(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, stream, tune.pdl, cp);
 }
 

@@ -19,9 +19,7 @@ int env_int(const char* name, int fallback) {
 }
 
 #ifdef TPMOE_WITH_MPI
-void mpi_check(int rc, const char* what) {
-  TPMOE_CHECK(rc == MPI_SUCCESS, "MPI: {} failed (error {})", what, rc);
-}
+void mpi_check(int rc, const char* what) { TPMOE_CHECK(rc == MPI_SUCCESS, "MPI: {} failed (error {})", what, rc); }
 
 // MPI_Finalize after main returns (and after the engine, with its NCCL communicator, is gone).
 struct MpiSession {
@@ -51,9 +49,10 @@ const MpiWorld& mpi_world() {
   static MpiSession session;
   return session.world;
 #else
-  TPMOE_FAIL("started under mpirun ({} processes) but this build has no MPI: reconfigure with OpenMPI installed "
-             "(libopenmpi-dev), or use one process with --tp N",
-             env_int("OMPI_COMM_WORLD_SIZE", 0));
+  TPMOE_FAIL(
+      "started under mpirun ({} processes) but this build has no MPI: reconfigure with OpenMPI installed "
+      "(libopenmpi-dev), or use one process with --tp N",
+      env_int("OMPI_COMM_WORLD_SIZE", 0));
 #endif
 }
 

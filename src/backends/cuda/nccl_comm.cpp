@@ -90,7 +90,8 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int nranks, int rank,
   if (ok) {
     layout_ = WindowLayout::make(window_tokens, hidden);
     ncclResult_t r = ncclMemAlloc(&window_memory_, layout_.bytes);
-    if (r == ncclSuccess) r = ncclCommWindowRegister(comm_, window_memory_, layout_.bytes, &window_, NCCL_WIN_COLL_SYMMETRIC);
+    if (r == ncclSuccess)
+      r = ncclCommWindowRegister(comm_, window_memory_, layout_.bytes, &window_, NCCL_WIN_COLL_SYMMETRIC);
     ok = r == ncclSuccess;
     if (!ok) why = fmt::format("symmetric window: {} ({})", ncclGetErrorString(r), ncclGetLastError(comm_));
   }
@@ -118,8 +119,10 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int nranks, int rank,
   cudaStreamDestroy(s);
   fused_ = ok != 0;
   if (!fused_ && (rank == 0 || !why.empty()))
-    std::fprintf(stderr, "note: rank %d: fused all-reduce + RMSNorm kernels unavailable (%s): every reduction uses "
-                 "ncclAllReduce\n", rank, why.empty() ? "a peer could not set them up" : why.c_str());
+    std::fprintf(stderr,
+                 "note: rank %d: fused all-reduce + RMSNorm kernels unavailable (%s): every reduction uses "
+                 "ncclAllReduce\n",
+                 rank, why.empty() ? "a peer could not set them up" : why.c_str());
 }
 
 NcclCommunicator::~NcclCommunicator() {

@@ -12,8 +12,8 @@
 //   first rotary_dim channels: lane l owns the rotary pairs (i, i + rd/2) for i = l + 32k and the
 //   pass-through channels rd + l + 32k, all in registers; every element belongs to exactly one lane,
 //   so reading and writing in place never races. inv_freq[i] = float(pow(double(theta), -2i/rd)) as
-//   the CPU oracle computes it, once per block into shared memory; cos/sin by sincosf (full-range accurate, not __sinf: angles reach
-//   pos * 1 rad, far outside the fast intrinsics' range). Bytes: 2 x T*heads*hd*2.
+//   the CPU oracle computes it, once per block into shared memory; cos/sin by sincosf (full-range accurate, not __sinf:
+//   angles reach pos * 1 rad, far outside the fast intrinsics' range). Bytes: 2 x T*heads*hd*2.
 // Layouts: row-major, rows contiguous. Grids depend only on the sizes (graph-capturable); no sync,
 // no allocation.
 #include "backends/cuda/norm.cuh"
@@ -28,30 +28,11 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kMaxNormThreads = 1024;
+constexpr int kMaxNormThreads = kMaxBlockThreads;  // block_sum (kernel_utils.cuh) holds that many
 constexpr int kMaxHeadDim = 256;
 constexpr int kRopeWarpsPerBlock = 8;
 constexpr int kMaxPairsPerLane = kMaxHeadDim / 2 / kWarp;  // rotary pairs (i, i + rd/2), i < rd/2 <= 128
 constexpr int kMaxPassPerLane = kMaxHeadDim / kWarp;       // pass-through channels rd..hd
-
-
-// Sum over the block (blockDim.x a multiple of 32); every thread gets the total.
-__device__ __forceinline__ float block_sum(float v) {
-  __shared__ float warp_totals[kMaxNormThreads / kWarp];
-  __shared__ float total;
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
-  v = warp_sum(v);
-  if (lane == 0) warp_totals[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    v = lane < int(blockDim.x / kWarp) ? warp_totals[lane] : 0.f;
-    v = warp_sum(v);
-    if (lane == 0) total = v;
-  }
-  __syncthreads();
-  return total;
-}
-
 
 // kVec: H % 8 == 0 and all pointers 16-byte aligned (then every row start is too: H*2 and H*4 bytes
 // are multiples of 16).
@@ -178,8 +159,10 @@ void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream) {
   const int units = vec ? p.hidden / 8 : p.hidden;  // work items per row
   int threads = (units + kWarp - 1) / kWarp * kWarp;
   threads = threads < kMaxNormThreads ? threads : kMaxNormThreads;
-  if (vec) add_rmsnorm_kernel<true><<<p.rows, threads, 0, stream>>>(p);
-  else add_rmsnorm_kernel<false><<<p.rows, threads, 0, stream>>>(p);
+  if (vec)
+    add_rmsnorm_kernel<true><<<p.rows, threads, 0, stream>>>(p);
+  else
+    add_rmsnorm_kernel<false><<<p.rows, threads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 

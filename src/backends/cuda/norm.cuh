@@ -27,8 +27,8 @@ struct AddRmsNormParams {
 void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream);
 
 struct HeadNormRopeParams {
-  __nv_bfloat16* x = nullptr;      // [num_tokens, num_heads * head_dim], in place
-  const float* weight = nullptr;   // [head_dim]
+  __nv_bfloat16* x = nullptr;          // [num_tokens, num_heads * head_dim], in place
+  const float* weight = nullptr;       // [head_dim]
   const int32_t* positions = nullptr;  // [num_tokens]
   int num_tokens = 0;
   int num_heads = 0;

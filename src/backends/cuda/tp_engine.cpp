@@ -82,8 +82,9 @@ class TpEngine final : public Engine {
     // ncclCommInitRank blocks until every rank has joined: one thread per local rank.
     on_ranks([&](Rank& r) {
       r.comm = std::make_unique<NcclCommunicator>(id, layout_.tp, r.rank, config_.hidden_size);
-      if (!mpi_) check_fingerprints(r.comm->all_gather(
-          make_fingerprint(config_, plan_, r.rank, layout_.tp, layout_.tp, r.device, gpus)));
+      if (!mpi_)
+        check_fingerprints(
+            r.comm->all_gather(make_fingerprint(config_, plan_, r.rank, layout_.tp, layout_.tp, r.device, gpus)));
     });
   }
 
