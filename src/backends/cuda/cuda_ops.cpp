@@ -39,7 +39,14 @@ CudaOps::OpTimer::~OpTimer() {
 }
 
 void CudaOps::collect_op_times() {
+  // The first two steps (prefill, first decode) load kernels and plan cuBLASLt shapes: not counted.
+  const bool warm = steps_begun_ > 2;
   for (auto& p : pending_times_) {
+    if (!warm) {
+      cudaEventDestroy(p.start);
+      cudaEventDestroy(p.stop);
+      continue;
+    }
     float ms = 0;
     CUDA_CHECK(cudaEventElapsedTime(&ms, p.start, p.stop));
     auto& [total, calls] = op_times_[p.name];
@@ -78,7 +85,7 @@ CudaOps::~CudaOps() {
       rows.push_back({t.first, fmt::format("{:>10.3f} ms {:>5.1f}% {:>7} calls  {}", t.first, 100 * t.first / all,
                                            t.second, name)});
     std::sort(rows.rbegin(), rows.rend());
-    fmt::print(stderr, "GPU time per op (TPMOE_PROFILE_OPS=1, steps run eagerly):\n");
+    fmt::print(stderr, "GPU time per op after the first two steps (TPMOE_PROFILE_OPS=1, steps run eagerly):\n");
     for (const auto& r : rows) fmt::print(stderr, "{}\n", r.second);
   }
   for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g.exec);
@@ -168,6 +175,7 @@ void CudaOps::begin_step(const StepTokens& step) {
   num_tokens_ = T;
   num_logit_rows_ = R;
   arena_used_ = 0;
+  ++steps_begun_;
 }
 
 Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {

@@ -74,6 +74,7 @@ class CudaOps final : public Ops {
   int32_t* step_device_ = nullptr;
   int32_t* step_pinned_ = nullptr;
   int num_tokens_ = 0, num_logit_rows_ = 0;
+  int64_t steps_begun_ = 0;
   int32_t *token_ids_ = nullptr, *positions_ = nullptr, *seq_slots_ = nullptr, *logit_rows_ = nullptr;
 
   CacheShape cache_shape_;
