@@ -6,7 +6,6 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/device_weights.h"
-#include "backends/cuda/moe.cuh"
 #include "backends/cuda/tp_engine.h"
 #include "core/error.h"
 #include "engine/backends.h"
@@ -62,27 +61,7 @@ class CudaEngine final : public Engine {
 
   GenerateResult generate(const GenerateRequest& req) override {
     validate_request(req, config_.vocab_size);
-    int prefill_tokens = 0;
-    for (const auto& p : req.prompts) prefill_tokens += int(p.size());
-    const int B = int(req.prompts.size());
-    const int max_tokens = std::max(prefill_tokens, decode_bucket(B));
-    const int max_logit_rows = req.return_prefill_logits ? prefill_tokens : decode_bucket(B);
-
-    cuda::CudaReserve reserve;
-    reserve.max_tokens = max_tokens;
-    reserve.arena_bytes = Model::activation_bytes(config_, shard_, max_tokens, max_logit_rows, sizeof(uint16_t));
-    if (config_.any_moe()) {
-      const int slots = config_.num_experts_per_tok + (plan_.shared_expert.fused ? config_.num_shared_experts : 0);
-      reserve.moe_workspace_bytes = cuda::moe_workspace_bytes(max_tokens, slots, config_.hidden_size, shard_.moe_inter,
-                                                              plan_.shared_expert.physical_rows);
-    }
-    reserve.num_q_heads = shard_.num_q_heads;
-    reserve.num_index_heads = shard_.num_index_heads;
-    reserve.head_dim = config_.head_dim;
-    reserve.block_size = std::max(1, config_.index_block_size);
-    reserve.topk_blocks = std::max(1, config_.index_topk_blocks);
-
-    cuda::CudaOps ops(reserve);
+    cuda::CudaOps ops(cuda::CudaReserve::for_request(config_, plan_, shard_, req));
     SingleRank comm;
     Model model(config_, plan_, shard_, weights_->weights(), ops, comm);
     ops.init_cache(request_cache_shape(model, req, ops.records_steps()));

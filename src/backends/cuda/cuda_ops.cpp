@@ -9,6 +9,8 @@
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
 #include "core/error.h"
+#include "engine/generation.h"
+#include "model/model.h"
 
 namespace tpmoe::cuda {
 
@@ -56,6 +58,28 @@ void CudaOps::collect_op_times() {
     cudaEventDestroy(p.stop);
   }
   pending_times_.clear();
+}
+
+CudaReserve CudaReserve::for_request(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard,
+                                     const GenerateRequest& req) {
+  int prefill_tokens = 0;
+  for (const auto& p : req.prompts) prefill_tokens += int(p.size());
+  const int decode_rows = decode_bucket(int(req.prompts.size()));
+  CudaReserve r;
+  r.max_tokens = std::max(prefill_tokens, decode_rows);
+  const int max_logit_rows = req.return_prefill_logits ? prefill_tokens : decode_rows;
+  r.arena_bytes = Model::activation_bytes(config, shard, r.max_tokens, max_logit_rows, sizeof(uint16_t));
+  if (config.any_moe()) {
+    const int slots = config.num_experts_per_tok + (plan.shared_expert.fused ? config.num_shared_experts : 0);
+    r.moe_workspace_bytes = cuda::moe_workspace_bytes(r.max_tokens, slots, config.hidden_size, shard.moe_inter,
+                                                      plan.shared_expert.physical_rows);
+  }
+  r.num_q_heads = shard.num_q_heads;
+  r.num_index_heads = shard.num_index_heads;
+  r.head_dim = config.head_dim;
+  r.block_size = std::max(1, config.index_block_size);
+  r.topk_blocks = std::max(1, config.index_topk_blocks);
+  return r;
 }
 
 CudaOps::CudaOps(const CudaReserve& reserve) : reserve_(reserve) {

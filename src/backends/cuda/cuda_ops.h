@@ -13,7 +13,10 @@
 
 #include "backends/cuda/attention.cuh"
 #include "backends/cuda/gemm.h"
+#include "model/fusion_plan.h"
 #include "model/ops.h"
+#include "model/parallel.h"
+#include "tpmoe/tpmoe.h"
 
 namespace tpmoe::cuda {
 
@@ -25,6 +28,10 @@ struct CudaReserve {
   size_t moe_workspace_bytes = 0;
   // Attention workspace dimensions (the context length comes with init_cache).
   int num_q_heads = 0, num_index_heads = 0, head_dim = 0, block_size = 1, topk_blocks = 1;
+
+  // What one rank needs to serve `req`: its prefill in one step and decode in padded buckets.
+  static CudaReserve for_request(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard,
+                                 const GenerateRequest& req);
 };
 
 class CudaOps final : public Ops {

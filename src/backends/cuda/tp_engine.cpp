@@ -13,7 +13,6 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/device_weights.h"
-#include "backends/cuda/moe.cuh"
 #include "backends/cuda/mpi_launch.h"
 #include "backends/cuda/nccl_comm.h"
 #include "core/error.h"
@@ -117,7 +116,7 @@ class TpEngine final : public Engine {
     validate_request(req, config_.vocab_size);
     GenerateResult result;
     auto body = [&](Rank& r) {
-      cuda::CudaOps ops(reserve(req, r.shard));
+      cuda::CudaOps ops(CudaReserve::for_request(config_, plan_, r.shard, req));
       r.comm->set_stream(ops.stream());
       struct Unbind {
         NcclCommunicator& c;
@@ -161,28 +160,6 @@ class TpEngine final : public Engine {
     for (auto& t : threads) t.join();
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
-  }
-
-  CudaReserve reserve(const GenerateRequest& req, const RankShard& shard) const {
-    int prefill_tokens = 0;
-    for (const auto& p : req.prompts) prefill_tokens += int(p.size());
-    const int B = int(req.prompts.size());
-    const int max_tokens = std::max(prefill_tokens, decode_bucket(B));
-    const int max_logit_rows = req.return_prefill_logits ? prefill_tokens : decode_bucket(B);
-    CudaReserve reserve;
-    reserve.max_tokens = max_tokens;
-    reserve.arena_bytes = Model::activation_bytes(config_, shard, max_tokens, max_logit_rows, sizeof(uint16_t));
-    if (config_.any_moe()) {
-      const int slots = config_.num_experts_per_tok + (plan_.shared_expert.fused ? config_.num_shared_experts : 0);
-      reserve.moe_workspace_bytes = moe_workspace_bytes(max_tokens, slots, config_.hidden_size, shard.moe_inter,
-                                                        plan_.shared_expert.physical_rows);
-    }
-    reserve.num_q_heads = shard.num_q_heads;
-    reserve.num_index_heads = shard.num_index_heads;
-    reserve.head_dim = config_.head_dim;
-    reserve.block_size = std::max(1, config_.index_block_size);
-    reserve.topk_blocks = std::max(1, config_.index_topk_blocks);
-    return reserve;
   }
 
   EngineOptions options_;
