@@ -244,7 +244,8 @@ void check_argmax(int vocab, uint64_t seed) {
   DeviceBuffer<float> d_logits(logits);
   DeviceBuffer<int32_t> d_ids(static_cast<size_t>(R));
   CUDA_CHECK(cudaMemset(d_ids.get(), 0x7f, size_t(R) * sizeof(int32_t)));  // no valid id
-  cuda::launch_argmax(d_logits.get(), R, vocab, d_ids.get(), nullptr);
+  DeviceBuffer<uint8_t> workspace(cuda::argmax_workspace_bytes(R, vocab));
+  cuda::launch_argmax(d_logits.get(), R, vocab, d_ids.get(), workspace.get(), workspace.size(), nullptr);
 
   cpu::CpuOps ops;
   std::vector<int32_t> ref(static_cast<size_t>(R));
@@ -267,6 +268,7 @@ TEST(CudaElementwise, ArgmaxFirstMaximum) {
   check_argmax(200064, 50);  // the real vocabulary (float4 path)
   check_argmax(512, 60);     // the tiny preset
   check_argmax(1001, 70);    // not a multiple of 4: the scalar path
+  check_argmax(9001, 90);    // three first-pass chunks on the scalar path
   check_argmax(40, 80);      // fewer elements than threads
 }
 
@@ -303,7 +305,7 @@ TEST(CudaElementwise, EmptyLaunchesDoNothing) {
   EXPECT_NO_THROW(cuda::launch_add_bf16(nullptr, nullptr, 0, nullptr));
   EXPECT_NO_THROW(cuda::launch_swiglu(cuda::SwigluKernelParams{}, nullptr));
   EXPECT_NO_THROW(cuda::launch_gather_rows(nullptr, nullptr, 0, 128, nullptr, nullptr));
-  EXPECT_NO_THROW(cuda::launch_argmax(nullptr, 0, 512, nullptr, nullptr));
+  EXPECT_NO_THROW(cuda::launch_argmax(nullptr, 0, 512, nullptr, nullptr, 0, nullptr));
   EXPECT_NO_THROW(cuda::launch_fill_random(nullptr, false, 0, 1, 2, 3, 1.f, nullptr));
   CUDA_CHECK(cudaDeviceSynchronize());
 }

@@ -68,7 +68,9 @@ CudaReserve CudaReserve::for_request(const ModelConfig& config, const FusionPlan
   CudaReserve r;
   r.max_tokens = std::max(prefill_tokens, decode_rows);
   const int max_logit_rows = req.return_prefill_logits ? prefill_tokens : decode_rows;
-  r.arena_bytes = Model::activation_bytes(config, shard, r.max_tokens, max_logit_rows, sizeof(uint16_t));
+  // The model's activations, plus the greedy argmax's per-block winners that follow them.
+  r.arena_bytes = Model::activation_bytes(config, shard, r.max_tokens, max_logit_rows, sizeof(uint16_t)) +
+                  argmax_workspace_bytes(max_logit_rows, config.vocab_size) + kAllocAlign;
   if (config.any_moe()) {
     const int slots = config.num_experts_per_tok + (plan.shared_expert.fused ? config.num_shared_experts : 0);
     r.moe_workspace_bytes = cuda::moe_workspace_bytes(r.max_tokens, slots, config.hidden_size, shard.moe_inter,
@@ -344,7 +346,10 @@ void CudaOps::gather_logit_rows(Tensor x, Tensor out) {
 
 void CudaOps::argmax(Tensor logits, Tensor ids) {
   const auto timer = timed("argmax");
-  launch_argmax(logits.as<float>(), int(logits.dim(0)), int(logits.dim(1)), ids.as<int32_t>(), stream_);
+  const int rows = int(logits.dim(0)), vocab = int(logits.dim(1));
+  const size_t bytes = argmax_workspace_bytes(rows, vocab);
+  Tensor scratch = alloc_typed(int64_t((bytes + 3) / 4), 1, DType::kI32);
+  launch_argmax(logits.as<float>(), rows, vocab, ids.as<int32_t>(), scratch.data, bytes, stream_);
 }
 
 std::vector<float> CudaOps::to_host(Tensor t) {

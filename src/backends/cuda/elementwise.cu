@@ -4,7 +4,8 @@
 //   add_bf16     y[n] += x[n] in fp32, one rounding to bf16. Bytes: 3*n*2.
 //   swiglu       gate_up[R, 2n] bf16 -> out[R, n] bf16, SwiGLU-OAI in fp32. Bytes: R*n*(4 + 2).
 //   gather_rows  out[r, :] = x[rows[r], :] bf16. Bytes: 2 x num_rows*cols*2.
-//   argmax       ids[r] = first argmax of logits[r, :] fp32, one block per row. Bytes: R*V*4.
+//   argmax       ids[r] = first argmax of logits[r, :] fp32: blocks of 4096 logits, then one block
+//                per row over their winners. Bytes: R*V*4.
 //   fill_random  out[i] = random_value(seed, key, offset + i, stddev) (src/model/presets.cpp),
 //                bitwise: the same splitmix64 hash, the same float ops with contraction forbidden
 //                (__fmul_rn/__fadd_rn), bf16 by round-to-nearest-even as f32_to_bf16.
@@ -27,7 +28,8 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 1 << 16;
-constexpr int kArgmaxThreads = 512;
+constexpr int kArgmaxThreads = 256;
+constexpr int kArgmaxChunk = 4096;  // logits per block in the first argmax pass
 
 unsigned grid_for(int64_t work_items) {
   const int64_t blocks = (work_items + kThreads - 1) / kThreads;
@@ -149,25 +151,9 @@ __device__ __forceinline__ void consider(Best& b, float v, int32_t i) {
   if (better(v, i, b)) b = {v, i};
 }
 
-template <bool kVec>
-__global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const float* __restrict__ logits, int vocab, int32_t* __restrict__ ids) {
-  const float* row = logits + int64_t(blockIdx.x) * vocab;
-  Best best{-__int_as_float(0x7f800000), INT32_MAX};
-  if constexpr (kVec) {
-    const float4* row4 = reinterpret_cast<const float4*>(row);
-    for (int c = threadIdx.x; c < vocab / 4; c += blockDim.x) {
-      const float4 v = row4[c];
-      consider(best, v.x, 4 * c);
-      consider(best, v.y, 4 * c + 1);
-      consider(best, v.z, 4 * c + 2);
-      consider(best, v.w, 4 * c + 3);
-    }
-  } else {
-    for (int i = threadIdx.x; i < vocab; i += blockDim.x) consider(best, row[i], i);
-  }
-  // after this loop: lane 0 of each warp holds the warp's best (the order is total, so the result
-  // does not depend on the reduction tree)
+// The best candidate of a block (every thread passes its own; the result is valid in thread 0).
+// The order is total, so the result does not depend on the reduction tree.
+__device__ __forceinline__ Best block_best(Best best) {
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) {
     const float v = __shfl_xor_sync(0xffffffffu, best.value, off);
@@ -186,8 +172,44 @@ __global__ void __launch_bounds__(kArgmaxThreads)
       const int32_t i = __shfl_xor_sync(0xffffffffu, best.index, off);
       consider(best, v, i);
     }
-    if (lane == 0) ids[blockIdx.x] = best.index < vocab ? best.index : 0;
   }
+  return best;
+}
+
+// Pass 1, grid (chunks, rows): the best of chunk blockIdx.x of row blockIdx.y. A decode step has a
+// handful of rows of 200k logits: one block per row would leave 131 SMs idle.
+template <bool kVec>
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_chunk_kernel(const float* __restrict__ logits, int vocab, Best* __restrict__ partial) {
+  const float* row = logits + int64_t(blockIdx.y) * vocab;
+  const int begin = blockIdx.x * kArgmaxChunk, end = min(vocab, begin + kArgmaxChunk);
+  Best best{-__int_as_float(0x7f800000), INT32_MAX};
+  if constexpr (kVec) {  // begin and end are multiples of 4 (vocab % 4 == 0, kArgmaxChunk % 4 == 0)
+    const float4* row4 = reinterpret_cast<const float4*>(row);
+    for (int c = begin / 4 + threadIdx.x; c < end / 4; c += blockDim.x) {
+      const float4 v = row4[c];
+      consider(best, v.x, 4 * c);
+      consider(best, v.y, 4 * c + 1);
+      consider(best, v.z, 4 * c + 2);
+      consider(best, v.w, 4 * c + 3);
+    }
+  } else {
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) consider(best, row[i], i);
+  }
+  best = block_best(best);
+  if (threadIdx.x == 0) partial[int64_t(blockIdx.y) * gridDim.x + blockIdx.x] = best;
+}
+
+// Pass 2, one block per row: the best of the row's chunk winners.
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_finish_kernel(const Best* __restrict__ partial, int chunks, int vocab, int32_t* __restrict__ ids) {
+  Best best{-__int_as_float(0x7f800000), INT32_MAX};
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    const Best b = partial[int64_t(blockIdx.x) * chunks + c];
+    consider(best, b.value, b.index);
+  }
+  best = block_best(best);
+  if (threadIdx.x == 0) ids[blockIdx.x] = best.index < vocab ? best.index : 0;
 }
 
 // ---- fill_random ---------------------------------------------------------------------------------
@@ -266,15 +288,26 @@ void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_row
   CUDA_CHECK_LAUNCH();
 }
 
-void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, cudaStream_t stream) {
+size_t argmax_workspace_bytes(int rows, int vocab) {
+  return size_t(rows) * size_t((vocab + kArgmaxChunk - 1) / kArgmaxChunk) * sizeof(Best);
+}
+
+void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream) {
   if (rows <= 0) return;
   check_arg(vocab > 0, "argmax: vocab must be positive");
-  check_arg(logits && ids, "argmax: logits and ids must be set");
-  const bool vec = vocab % 4 == 0 && aligned16(logits);
-  if (vec)
-    argmax_kernel<true><<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, ids);
+  check_arg(logits && ids && workspace, "argmax: logits, ids and workspace must be set");
+  check_arg(workspace_bytes >= argmax_workspace_bytes(rows, vocab), "argmax: workspace too small");
+  const int chunks = (vocab + kArgmaxChunk - 1) / kArgmaxChunk;
+  check_arg(rows <= 65535, "argmax: at most 65535 rows");
+  Best* partial = static_cast<Best*>(workspace);
+  const dim3 grid{unsigned(chunks), unsigned(rows)};
+  if (vocab % 4 == 0 && aligned16(logits))
+    argmax_chunk_kernel<true><<<grid, kArgmaxThreads, 0, stream>>>(logits, vocab, partial);
   else
-    argmax_kernel<false><<<rows, kArgmaxThreads, 0, stream>>>(logits, vocab, ids);
+    argmax_chunk_kernel<false><<<grid, kArgmaxThreads, 0, stream>>>(logits, vocab, partial);
+  CUDA_CHECK_LAUNCH();
+  argmax_finish_kernel<<<rows, kArgmaxThreads, 0, stream>>>(partial, chunks, vocab, ids);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -6,6 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace tpmoe::cuda {
@@ -41,8 +42,12 @@ void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream);
 void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_rows, int cols, __nv_bfloat16* out,
                         cudaStream_t stream);
 
-// ids[r] = argmax_v logits[r, v] (fp32), first maximum on ties (as torch.argmax). One block per row.
-void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, cudaStream_t stream);
+// ids[r] = argmax_v logits[r, v] (fp32), first maximum on ties (as torch.argmax). Two passes (blocks
+// of 4096 logits, then their winners per row) so a batch-1 row of 200k logits spreads over the GPU;
+// the workspace holds the per-block winners.
+size_t argmax_workspace_bytes(int rows, int vocab);
+void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, void* workspace, size_t workspace_bytes,
+                   cudaStream_t stream);
 
 // Fills n bf16 (or fp32 when out_f32) values with the presets' counter-based random numbers:
 // value i = random_value(seed, key, index_offset + i, stddev) (src/model/presets.h), so a preset
