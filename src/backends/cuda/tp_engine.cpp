@@ -5,8 +5,12 @@
 #include "backends/cuda/tp_engine.h"
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -143,21 +147,56 @@ class TpEngine final : public Engine {
  private:
   // Runs f on every local rank, each in its own thread with its GPU current; rethrows the error of
   // the lowest failing rank.
+  //
+  // A rank that fails alone mid-step leaves its peers spinning inside a fused kernel's barrier,
+  // which nothing on the host can interrupt (the MPI mode ends the job for the same reason). So once
+  // a rank has failed, a watchdog gives the others kPeerGraceSeconds to finish or fail too, and then
+  // reports the first error and ends the process instead of hanging.
   template <class F>
   void on_ranks(F&& f) {
+    constexpr int kPeerGraceSeconds = 30;
     std::vector<std::exception_ptr> errors(ranks_.size());
+    std::mutex mutex;
+    std::condition_variable changed;
+    size_t finished = 0;
+    std::string first_error;
     auto run = [&](size_t i) {
+      std::exception_ptr error;
+      std::string message;
       try {
         CUDA_CHECK(cudaSetDevice(ranks_[i].device));
         f(ranks_[i]);
+      } catch (const std::exception& e) {
+        error = std::current_exception();
+        message = fmt::format("rank {}: {}", ranks_[i].rank, e.what());
       } catch (...) {
-        errors[i] = std::current_exception();
+        error = std::current_exception();
+        message = fmt::format("rank {} failed", ranks_[i].rank);
       }
+      std::lock_guard lock(mutex);
+      errors[i] = error;
+      if (error && first_error.empty()) first_error = message;
+      ++finished;
+      changed.notify_all();
     };
+    std::thread watchdog;
+    if (ranks_.size() > 1) {
+      watchdog = std::thread([&] {
+        std::unique_lock lock(mutex);
+        changed.wait(lock, [&] { return finished == ranks_.size() || !first_error.empty(); });
+        if (finished == ranks_.size()) return;
+        if (changed.wait_for(lock, std::chrono::seconds(kPeerGraceSeconds), [&] { return finished == ranks_.size(); }))
+          return;
+        std::fprintf(stderr, "error: %s (the other ranks are blocked in a collective; ending the process)\n",
+                     first_error.c_str());
+        std::_Exit(1);
+      });
+    }
     std::vector<std::thread> threads;
     for (size_t i = 1; i < ranks_.size(); ++i) threads.emplace_back(run, i);
     run(0);
     for (auto& t : threads) t.join();
+    if (watchdog.joinable()) watchdog.join();
     for (auto& e : errors)
       if (e) std::rethrow_exception(e);
   }
