@@ -1,5 +1,5 @@
-// The engine: loads each rank's shard, runs the ranks SPMD (one thread per rank, the same program
-// on each, talking only through the communicator), and drives prefill and greedy decode.
+// The CPU engine and the Engine factory. The CPU engine loads each rank's shard and runs the ranks SPMD
+// (one thread per rank, the same program on each, talking only through the communicator).
 #include <omp.h>
 
 #include <algorithm>
