@@ -120,7 +120,8 @@ TEST_F(Cli, MakeModelThenInspectPrintsThePlan) {
 // can be compared tensor by tensor.
 TEST_F(Cli, TeacherForcedDumpMatchesReference) {
   const fs::path out = dir_ / "out.safetensors";
-  const auto r = test::run_cli("generate --model " + quoted(fixture()) + " --input " +
+  // --device cpu: the CLI picks the GPU where one is visible, and this compares at the fp32 bound.
+  const auto r = test::run_cli("generate --device cpu --model " + quoted(fixture()) + " --input " +
                                quoted(fixture() / "reference.safetensors") + " --teacher-force --dump " + quoted(out));
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto dump = io::SafetensorsSet::open_file(out);
@@ -151,7 +152,7 @@ TEST_F(Cli, HubLayoutGeneratesSameIdsAsHfLayout) {
     const auto made =
         test::run_cli(fmt::format("make-model --preset tiny --seed 11 --layout {} --out {}", layout, quoted(model)));
     ASSERT_EQ(made.exit_code, 0) << made.output;
-    const auto r = test::run_cli("generate --model " + quoted(model) +
+    const auto r = test::run_cli("generate --device cpu --model " + quoted(model) +
                                  " --prompt-ids 5,9,2,7,11,3,8 --max-new-tokens 6 --dump " + quoted(out));
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_EQ(r.output.find("warning"), std::string::npos) << layout << ": every tensor should be used\n" << r.output;

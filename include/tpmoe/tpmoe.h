@@ -15,7 +15,7 @@ namespace tpmoe {
 
 struct EngineOptions {
   int tp = 1;                        // tensor-parallel ranks (threads on the CPU)
-  std::string device = "cpu";        // "cpu" (the reference backend) or "cuda"
+  std::string device = "cpu";        // "cpu" (the reference backend) or "cuda"; the CLI's default is default_device()
   bool allreduce_fusion = true;      // deferred all-reduce fused with the next RMSNorm
   bool shared_expert_fusion = true;  // shared experts as extra routed-expert rows
   std::vector<int> pp_stage_ends;    // pipeline stage boundaries the fusion plan honours
@@ -43,6 +43,10 @@ struct GenerateResult {
   // is the time to the first token.
   std::vector<double> step_seconds;
 };
+
+// "cuda" when this build has the CUDA backend and a GPU is visible, "cpu" otherwise: what a run
+// uses when no device is named.
+std::string default_device();
 
 // Copy bandwidth of the device's memory in bytes/s (bytes read + bytes written), measured now with a
 // large device-to-device copy (host memcpy for "cpu"): the ceiling decode is held to.

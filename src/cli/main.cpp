@@ -46,7 +46,7 @@ struct ModelFlags {
   std::optional<int> layers;
   uint64_t seed = 0;
   int tp = 1;
-  std::string device = "cpu";
+  std::string device;  // empty: default_device()
   std::string shared_fusion = "on", allreduce_fusion = "on";
   int threads = 0;
 
@@ -56,15 +56,18 @@ struct ModelFlags {
     app->add_option("--layers", layers, "layers of the preset");
     app->add_option("--seed", seed, "seed of the preset's random weights");
     app->add_option("--tp", tp, "tensor-parallel ranks")->check(CLI::PositiveNumber);
-    if (with_device) app->add_option("--device", device, "cpu or cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+    if (with_device)
+      app->add_option("--device", device, "cpu or cuda (default: cuda when a GPU is visible, else cpu)")
+          ->check(CLI::IsMember({"cpu", "cuda"}));
     app->add_option("--shared-expert-fusion", shared_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
     app->add_option("--allreduce-fusion", allreduce_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
     app->add_option("--threads", threads, "CPU threads in all (default: every core)");
   }
+  std::string resolved_device() const { return device.empty() ? default_device() : device; }
   EngineOptions options() const {
     EngineOptions o;
     o.tp = tp;
-    o.device = device;
+    o.device = resolved_device();
     o.shared_expert_fusion = shared_fusion == "on";
     o.allreduce_fusion = allreduce_fusion == "on";
     o.threads = threads;
@@ -235,7 +238,7 @@ void run_bench(const BenchFlags& f) {
   o.preset = f.model.preset.empty() ? std::string(kDefaultPreset) : f.model.preset;
   o.layers = f.model.layers;
   o.seed = f.model.seed;
-  o.device = f.model.device;
+  o.device = f.model.resolved_device();
   o.tp = f.model.tp;
   o.threads = f.model.threads;
   if (!f.batches.empty()) o.batches = parse_int_list(f.batches, "--batch");

@@ -110,6 +110,13 @@ void check_device(const std::string& device) {
 
 }  // namespace
 
+std::string default_device() {
+#ifdef TPMOE_WITH_CUDA
+  if (cuda_device_present()) return "cuda";
+#endif
+  return "cpu";
+}
+
 double measure_copy_bandwidth(const std::string& device) {
   check_device(device);
 #ifdef TPMOE_WITH_CUDA

@@ -9,6 +9,11 @@
 
 namespace tpmoe {
 
+bool cuda_device_present() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+
 double cuda_copy_bandwidth() {
   const size_t bytes = size_t(2) << 30;
   void *src = nullptr, *dst = nullptr;
