@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <span>
 
+#include "core/error.h"
 #include "cuda_test_util.h"
 #include "io/safetensors.h"
 #include "test_util.h"
@@ -149,6 +150,27 @@ TEST(CudaModel, DevicePresetMatchesCpuPreset) {
 // tp 1 through the NCCL engine (TPMOE_FORCE_NCCL=1: communicator, symmetric window, device
 // communicator, rank check, graphs recorded with the communicator present) reproduces the
 // single-GPU engine: the same weights and kernels, so the logits agree to the last bit.
+// A request whose KV cache cannot fit is refused before anything runs, with the sizes named; the
+// engine stays usable afterwards.
+TEST(CudaModel, RequestTooLargeForTheKvCacheIsAClearError) {
+  TPMOE_REQUIRE_GPU();
+  auto engine = Engine::from_preset("tiny", std::nullopt, 1, cuda_options());
+  GenerateRequest huge;
+  huge.prompts.assign(256, std::vector<int32_t>{1, 2, 3});
+  huge.max_new_tokens = 1 << 24;  // 256 x 16M positions: far past the GPU's memory
+  try {
+    engine->generate(huge);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("KV cache"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("GiB"), std::string::npos) << e.what();
+  }
+  GenerateRequest small;
+  small.prompts = {{1, 2, 3}};
+  small.max_new_tokens = 4;
+  EXPECT_EQ(engine->generate(small).generated[0].size(), 4u);
+}
+
 TEST(CudaModel, NcclEngineAtTp1MatchesSingleGpu) {
   TPMOE_REQUIRE_GPU();
   const auto dir = test::fixtures_dir() / "m3-tiny";
