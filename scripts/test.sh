@@ -11,6 +11,13 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
 
+# The CPU-only build (what a machine without the CUDA toolkit makes) must build every target too.
+if [ "${TPMOE_SKIP_CPU_ONLY_BUILD:-0}" != 1 ]; then
+  cmake -S . -B build-cpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPMOE_CUDA=OFF >/dev/null
+  cmake --build build-cpu -j "$jobs"
+  echo "cpu-only build: every target built"
+fi
+
 # libFuzzer targets (clang, ASan + UBSan): the safetensors header parser and the config parser.
 fuzz_seconds=${TPMOE_FUZZ_SECONDS:-60}
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DTPMOE_FUZZ=ON >/dev/null

@@ -7,7 +7,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <random>
 #include <vector>
 
@@ -21,9 +23,19 @@ inline bool gpu_present() {
   return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
 }
 
+// With TPMOE_REQUIRE_GPU=1 in the environment a missing GPU fails the test instead of skipping it:
+// on a GPU machine (scripts/gpu_validate.sh) a broken driver must not report green.
+inline bool gpu_required() {
+  const char* v = std::getenv("TPMOE_REQUIRE_GPU");
+  return v && std::string(v) == "1";
+}
+
 // First statement of every GPU test.
-#define TPMOE_REQUIRE_GPU() \
-  if (!::tpmoe::test::gpu_present()) GTEST_SKIP() << "no CUDA GPU present"
+#define TPMOE_REQUIRE_GPU()                                                                              \
+  if (!::tpmoe::test::gpu_present()) {                                                                   \
+    if (::tpmoe::test::gpu_required()) GTEST_FAIL() << "no CUDA GPU present, and TPMOE_REQUIRE_GPU=1"; \
+    GTEST_SKIP() << "no CUDA GPU present";                                                               \
+  }
 
 // A device allocation filled with a NaN pattern (0xFF bytes) until written: an element a kernel
 // forgot to write shows up as NaN, which never passes relative_l2.

@@ -13,6 +13,7 @@
 #include "engine/report.h"
 #include "io/checkpoint.h"
 #include "model/presets.h"
+#include "model/weights.h"
 #include "tpmoe/tpmoe.h"
 
 namespace {
@@ -199,6 +200,7 @@ void run_inspect(const InspectFlags& f) {
     config = ckpt.config();
     matrix_dtype = ckpt.common("embed_tokens.weight", {config.vocab_size, config.hidden_size}).dtype;
     matrix_dtype = matrix_dtype == DType::kBF16 ? DType::kBF16 : DType::kF32;
+    shared_format_matches = shared_expert_format_matches(ckpt);  // the engine refuses fusion otherwise
     fmt::print("checkpoint: {} ({})\n", f.model.model_dir, io::layout_name(ckpt.layout()));
   } else {
     config = preset_config(f.model.preset.empty() ? kDefaultPreset : f.model.preset, f.model.layers);

@@ -1,15 +1,19 @@
-// Error checks for the CUDA runtime and cuBLASLt. Kernel files include this header only: it pulls
+// Error checks for the CUDA runtime, cuBLASLt and NCCL: one family of macros, one exception type. Kernel files include this header only: it pulls
 // in no fmt, so nvcc compiles the kernels without the host formatting library. The throwing
 // functions live in cuda_check.cpp and raise tpmoe::Error like every other check.
 #pragma once
 
 #include <cublasLt.h>
 #include <cuda_runtime.h>
+#include <nccl.h>
 
 namespace tpmoe::cuda {
 
 [[noreturn]] void throw_cuda_error(cudaError_t err, const char* expr, const char* file, int line);
 [[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* expr, const char* file, int line);
+[[noreturn]] void throw_nccl_error(ncclResult_t result, const char* expr, const char* file, int line);
+// Throws unless the NCCL loaded at run time is the one whose headers this binary was compiled with.
+void check_nccl_version();
 
 }  // namespace tpmoe::cuda
 
@@ -26,4 +30,10 @@ namespace tpmoe::cuda {
   do {                                                                                                               \
     const cublasStatus_t tpmoe_st_ = (expr);                                                                         \
     if (tpmoe_st_ != CUBLAS_STATUS_SUCCESS) ::tpmoe::cuda::throw_cublas_error(tpmoe_st_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+#define NCCL_CHECK(expr)                                                                                     \
+  do {                                                                                                       \
+    const ncclResult_t tpmoe_nccl_ = (expr);                                                                 \
+    if (tpmoe_nccl_ != ncclSuccess) ::tpmoe::cuda::throw_nccl_error(tpmoe_nccl_, #expr, __FILE__, __LINE__); \
   } while (0)

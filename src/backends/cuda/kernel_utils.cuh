@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <source_location>
 #include <string>
 
 #include "backends/cuda/cuda_check.h"
@@ -14,9 +15,11 @@ namespace tpmoe::cuda {
 
 constexpr int kWarp = 32;
 
-// A kernel cannot throw: its launcher rejects what the kernel does not support, as a tpmoe::Error.
-inline void check_arg(bool ok, const std::string& what) {
-  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what.c_str(), __FILE__, __LINE__);
+// A kernel cannot throw: its launcher rejects what the kernel does not support, as a tpmoe::Error
+// that names the launcher's file and line (the caller's, not this header's).
+inline void check_arg(bool ok, const std::string& what,
+                      const std::source_location where = std::source_location::current()) {
+  if (!ok) throw_cuda_error(cudaErrorInvalidValue, what.c_str(), where.file_name(), int(where.line()));
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }

@@ -14,14 +14,6 @@
 
 namespace tpmoe::cuda {
 
-void throw_nccl_error(ncclResult_t result, const char* expr, const char* file, int line) {
-  const char* last = nullptr;
-  last = ncclGetLastError(nullptr);
-  throw Error(fmt::format("{} failed: {} ({}){}{}", expr, ncclGetErrorString(result), int(result),
-                          last && *last ? ": " : "", last ? last : ""),
-              file, line);
-}
-
 const char* allreduce_path_name(AllreducePath path) {
   switch (path) {
     case AllreducePath::kAuto: return "auto";
@@ -72,6 +64,7 @@ AllreduceThresholds AllreduceThresholds::defaults(int nranks, int window_tokens)
 NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int nranks, int rank, int hidden, int window_tokens)
     : rank_(rank), nranks_(nranks) {
   TPMOE_CHECK(nranks >= 1 && rank >= 0 && rank < nranks, "NCCL communicator: rank {} of {}", rank, nranks);
+  check_nccl_version();
   CUDA_CHECK(cudaGetDevice(&device_));
   forced_ = env_path();
   thresholds_ = AllreduceThresholds::defaults(nranks, window_tokens);

@@ -35,14 +35,6 @@
 
 namespace tpmoe::cuda {
 
-[[noreturn]] void throw_nccl_error(ncclResult_t result, const char* expr, const char* file, int line);
-
-#define NCCL_CHECK(expr)                                                                                     \
-  do {                                                                                                       \
-    const ncclResult_t tpmoe_nccl_ = (expr);                                                                 \
-    if (tpmoe_nccl_ != ncclSuccess) ::tpmoe::cuda::throw_nccl_error(tpmoe_nccl_, #expr, __FILE__, __LINE__); \
-  } while (0)
-
 enum class AllreducePath { kAuto, kOneShot, kTwoShot, kNccl };
 const char* allreduce_path_name(AllreducePath path);
 
