@@ -33,6 +33,18 @@
 
 namespace {
 
+// n random values (the presets' generator) at `out`, bf16 or fp32.
+void fill_random(void* out, bool f32, int64_t n, uint64_t seed, uint64_t key, float stddev, cudaStream_t stream) {
+  tpmoe::cuda::FillRandomParams p;
+  p.out = out;
+  p.out_f32 = f32;
+  p.cols = p.out_row_stride = p.index_row_stride = n;
+  p.seed = seed;
+  p.key = key;
+  p.stddev = stddev;
+  tpmoe::cuda::launch_fill_random(p, stream);
+}
+
 using tpmoe::cuda::Gemm;
 
 constexpr int kHidden = 6144;
@@ -116,7 +128,7 @@ int main(int argc, char** argv) {
     void* flush = dalloc<uint8_t>(kFlushBytes);
     Timer timer{stream, flush, reps};
     Gemm gemm;
-    const tpmoe::cuda::MoeTuning defaults = tpmoe::cuda::moe_tuning();
+    const tpmoe::cuda::MoeTuning defaults;
 
     const int max_T = 256;
     const int batches[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
@@ -131,14 +143,14 @@ int main(int argc, char** argv) {
       const size_t gu_row = size_t(2) * I * H, dn_row = size_t(H) * I;
       auto* gate_up = dalloc<__nv_bfloat16>(kRows * gu_row);
       auto* down = dalloc<__nv_bfloat16>(kRows * dn_row);
-      tpmoe::cuda::launch_fill_random(gate_up, false, int64_t(kRows * gu_row), 1, 11, 0, 0.02f, stream);
-      tpmoe::cuda::launch_fill_random(down, false, int64_t(kRows * dn_row), 1, 12, 0, 0.02f, stream);
+      fill_random(gate_up, false, int64_t(kRows * gu_row), 1, 11, 0.02f, stream);
+      fill_random(down, false, int64_t(kRows * dn_row), 1, 12, 0.02f, stream);
       auto* x = dalloc<__nv_bfloat16>(size_t(max_T) * H);
-      tpmoe::cuda::launch_fill_random(x, false, int64_t(max_T) * H, 2, 1, 0, 1.f, stream);
+      fill_random(x, false, int64_t(max_T) * H, 2, 1, 1.f, stream);
       auto* logits = dalloc<float>(size_t(max_T) * kExperts);
-      tpmoe::cuda::launch_fill_random(logits, true, int64_t(max_T) * kExperts, 3, 1, 0, 1.f, stream);
+      fill_random(logits, true, int64_t(max_T) * kExperts, 3, 1, 1.f, stream);
       auto* bias = dalloc<float>(kExperts);
-      tpmoe::cuda::launch_fill_random(bias, true, kExperts, 4, 1, 0, 0.01f, stream);
+      fill_random(bias, true, kExperts, 4, 1, 0.01f, stream);
       const int slots = kTopK + 1;
       auto* ids = dalloc<int32_t>(size_t(max_T) * slots);
       auto* wts = dalloc<float>(size_t(max_T) * slots);
@@ -301,10 +313,10 @@ int main(int argc, char** argv) {
           char line[512];
           int n = std::snprintf(line, sizeof line, "I=%d T=%d default %.1f", I, T, t_fused);
           for (const auto& var : vs) {
-            tpmoe::cuda::set_moe_tuning(var.t);
+            mp.tuning = var.t;
             n += std::snprintf(line + n, sizeof line - n, " | %s %.1f", var.name, timer.time(fused));
           }
-          tpmoe::cuda::set_moe_tuning(defaults);
+          mp.tuning = defaults;
           ablation_lines.push_back(line);
         }
       }

@@ -10,7 +10,7 @@ prefix=$PWD/.devdeps/root/usr
 if [ -z "${NCCL_ROOT:-}" ]; then
   # The NCCL the device's torch ships (2.28.9), the one nccl_device.h code must run with.
   for py in python3 /opt/*/.venv/bin/python3 /opt/*/bin/python3; do
-    d=$("$py" -c "import nvidia.nccl, os; print(os.path.dirname(nvidia.nccl.__file__))" 2>/dev/null) &&
+    d=$("$py" -c "import nvidia.nccl as m; print(list(m.__path__)[0])" 2>/dev/null) &&
       [ -f "$d/include/nccl.h" ] && NCCL_ROOT=$d && break
   done
 fi
@@ -18,4 +18,4 @@ echo "NCCL_ROOT=${NCCL_ROOT:-<system>}"
 export PATH=/usr/local/cuda/bin:$PATH
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_PREFIX_PATH="$prefix" \
   ${NCCL_ROOT:+-DTPMOE_NCCL_ROOT=$NCCL_ROOT} >/dev/null
-cmake --build "$build" -j "$(nproc)"
+cmake --build "$build" -j "$(nproc)" -- -k 0

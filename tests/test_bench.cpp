@@ -54,7 +54,7 @@ BenchReport* BenchTest::report_ = nullptr;
 TEST_F(BenchTest, EveryRowHasEveryField) {
   const json j = bench_json(*report_);
   for (const char* key : {"tool", "model", "device", "tp", "prompt_len", "new_tokens", "warmup", "copy_bandwidth_gbs",
-                          "weights_gib_per_rank", "protocol", "rows", "gains"})
+                          "read_bandwidth_gbs", "weights_gib_per_rank", "protocol", "rows", "gains"})
     EXPECT_TRUE(j.contains(key)) << key;
   ASSERT_EQ(j["rows"].size(), 8u);  // 4 settings x 2 batches
   for (const auto& row : j["rows"]) {

@@ -1,4 +1,4 @@
-// Rank-consistency checks of a tensor-parallel group (engine/rank_checks.h), without a GPU: ranks
+// Rank-consistency checks of a tensor-parallel group (model/rank_checks.h), without a GPU: ranks
 // that disagree on the TP size, the model or the fusion plan, a rank without a GPU, too few GPUs
 // for --tp in one process. Each failure must name what differs.
 #include <gtest/gtest.h>
@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "core/error.h"
-#include "engine/rank_checks.h"
 #include "model/presets.h"
+#include "model/rank_checks.h"
 
 namespace tpmoe {
 namespace {

@@ -13,7 +13,7 @@
 #include "backends/cuda/nccl_comm.h"
 #include "backends/cuda/norm.cuh"
 #include "cuda_test_util.h"
-#include "engine/rank_checks.h"
+#include "model/rank_checks.h"
 #include "test_util.h"
 
 namespace tpmoe {
@@ -145,7 +145,7 @@ TEST(CudaAllreduce, NcclCommunicatorAtTp1MatchesAddRmsnorm) {
   for (int H : {6144, 128}) {
     ncclUniqueId id;  // one per communicator
     NCCL_CHECK(ncclGetUniqueId(&id));
-    cuda::NcclCommunicator comm(id, 1, 0, H, kWindow);
+    cuda::NcclCommunicator comm(id, 1, 0, H, {.window_tokens = kWindow});
     ASSERT_TRUE(comm.fused_available()) << "symmetric window / device communicator not available at tp 1";
     EXPECT_EQ(comm.rank(), 0);
     EXPECT_EQ(comm.size(), 1);
@@ -218,7 +218,7 @@ TEST(CudaAllreduce, PathChoiceBySize) {
   TPMOE_REQUIRE_GPU();
   ncclUniqueId id;
   NCCL_CHECK(ncclGetUniqueId(&id));
-  cuda::NcclCommunicator comm(id, 1, 0, 6144, 512);
+  cuda::NcclCommunicator comm(id, 1, 0, 6144, {.window_tokens = 512});
   ASSERT_TRUE(comm.fused_available());
   const auto& t = comm.thresholds();
   EXPECT_EQ(comm.choose(1, 6144), cuda::AllreducePath::kOneShot);

@@ -245,11 +245,11 @@ void check_argmax(int vocab, uint64_t seed) {
   DeviceBuffer<int32_t> d_ids(static_cast<size_t>(R));
   CUDA_CHECK(cudaMemset(d_ids.get(), 0x7f, size_t(R) * sizeof(int32_t)));  // no valid id
   DeviceBuffer<uint8_t> workspace(cuda::argmax_workspace_bytes(R, vocab));
-  cuda::launch_argmax(d_logits.get(), R, vocab, d_ids.get(), workspace.get(), workspace.size(), nullptr);
+  cuda::launch_argmax(d_logits.get(), R, vocab, d_ids.get(), nullptr, workspace.get(), workspace.size(), nullptr);
 
   cpu::CpuOps ops;
   std::vector<int32_t> ref(static_cast<size_t>(R));
-  ops.argmax(Tensor::make(logits.data(), DType::kF32, R, vocab), Tensor::make(ref.data(), DType::kI32, R));
+  ops.argmax(Tensor::make(logits.data(), DType::kF32, R, vocab), Tensor::make(ref.data(), DType::kI32, R), Tensor());
   const std::vector<int32_t> got = d_ids.download();
   EXPECT_EQ(got, ref);
   // The constructed rows, spelled out (the oracle is std::max_element: the first maximum).
@@ -285,15 +285,52 @@ TEST(CudaElementwise, FillRandomIsBitwiseThePresetsValues) {
         std::vector<float> ref(static_cast<size_t>(n));
         for (int64_t i = 0; i < n; ++i) ref[size_t(i)] = random_value(seed, key, offset + uint64_t(i), stddev);
 
+        cuda::FillRandomParams p;
+        p.cols = p.out_row_stride = p.index_row_stride = n;
+        p.seed = seed;
+        p.key = key;
+        p.index_offset = offset;
+        p.stddev = stddev;
         DeviceBuffer<__nv_bfloat16> d_bf16(static_cast<size_t>(n));
-        cuda::launch_fill_random(d_bf16.get(), false, n, seed, key, offset, stddev, nullptr);
+        p.out = d_bf16.get();
+        cuda::launch_fill_random(p, nullptr);
         // to_bf16 rounds as f32_to_bf16 does
         EXPECT_EQ(first_mismatch(bits_of(d_bf16.download()), bits_of(to_bf16(ref))), -1);
 
         DeviceBuffer<float> d_f32(static_cast<size_t>(n));
-        cuda::launch_fill_random(d_f32.get(), true, n, seed, key, offset, stddev, nullptr);
+        p.out = d_f32.get();
+        p.out_f32 = true;
+        cuda::launch_fill_random(p, nullptr);
         EXPECT_EQ(first_mismatch(d_f32.download(), ref), -1);
       }
+}
+
+TEST(CudaElementwise, FillRandomBlockIsTheBlockOfTheWholeTensor) {
+  TPMOE_REQUIRE_GPU();
+  // A 5 x 7 block at (3, 11) of a [40, 29] canonical tensor, written into rows 9 wide (a column
+  // slice next to others): every element is the whole tensor's element at the same place.
+  const uint64_t seed = 7, key = tensor_key("model.layers.0.self_attn.o_proj.weight");
+  const int64_t K = 29, r0 = 3, c0 = 11, rows = 5, cols = 7, stride = 9;
+  cuda::FillRandomParams p;
+  p.rows = rows;
+  p.cols = cols;
+  p.out_row_stride = stride;
+  p.seed = seed;
+  p.key = key;
+  p.index_offset = uint64_t(r0 * K + c0);
+  p.index_row_stride = K;
+  p.stddev = 0.02f;
+  p.out_f32 = true;
+  DeviceBuffer<float> d(static_cast<size_t>(rows * stride));
+  p.out = d.get();
+  cuda::launch_fill_random(p, nullptr);
+  const std::vector<float> got = d.download();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c)
+      EXPECT_EQ(got[size_t(r * stride + c)], random_value(seed, key, uint64_t((r0 + r) * K + c0 + c), 0.02f));
+    for (int64_t c = cols; c < stride; ++c)
+      EXPECT_TRUE(std::isnan(got[size_t(r * stride + c)])) << "written past the block";
+  }
 }
 
 // ---- empty launches ------------------------------------------------------------------------------
@@ -305,8 +342,8 @@ TEST(CudaElementwise, EmptyLaunchesDoNothing) {
   EXPECT_NO_THROW(cuda::launch_add_bf16(nullptr, nullptr, 0, nullptr));
   EXPECT_NO_THROW(cuda::launch_swiglu(cuda::SwigluKernelParams{}, nullptr));
   EXPECT_NO_THROW(cuda::launch_gather_rows(nullptr, nullptr, 0, 128, nullptr, nullptr));
-  EXPECT_NO_THROW(cuda::launch_argmax(nullptr, 0, 512, nullptr, nullptr, 0, nullptr));
-  EXPECT_NO_THROW(cuda::launch_fill_random(nullptr, false, 0, 1, 2, 3, 1.f, nullptr));
+  EXPECT_NO_THROW(cuda::launch_argmax(nullptr, 0, 512, nullptr, nullptr, nullptr, 0, nullptr));
+  EXPECT_NO_THROW(cuda::launch_fill_random(cuda::FillRandomParams{}, nullptr));
   CUDA_CHECK(cudaDeviceSynchronize());
 }
 

@@ -147,7 +147,7 @@ TEST(CudaModel, DevicePresetMatchesCpuPreset) {
   EXPECT_LT(step_err, kModelTolerance);
 }
 
-// tp 1 through the NCCL engine (TPMOE_FORCE_NCCL=1: communicator, symmetric window, device
+// tp 1 through the NCCL communicator (EngineOptions::nccl_at_tp1: communicator, symmetric window, device
 // communicator, rank check, graphs recorded with the communicator present) reproduces the
 // single-GPU engine: the same weights and kernels, so the logits agree to the last bit.
 // A request whose KV cache cannot fit is refused before anything runs, with the sizes named; the
@@ -180,16 +180,10 @@ TEST(CudaModel, NcclEngineAtTp1MatchesSingleGpu) {
   const int G = int(generated[0].size());
   auto single = Engine::from_checkpoint(dir, cuda_options());
   const ModelRun a = run_model(*single, prompts, generated, G);
-  setenv("TPMOE_FORCE_NCCL", "1", 1);
-  ModelRun b;
-  try {
-    auto nccl = Engine::from_checkpoint(dir, cuda_options());
-    b = run_model(*nccl, prompts, generated, G);
-  } catch (...) {
-    unsetenv("TPMOE_FORCE_NCCL");
-    throw;
-  }
-  unsetenv("TPMOE_FORCE_NCCL");
+  EngineOptions through_nccl = cuda_options();
+  through_nccl.nccl_at_tp1 = true;
+  auto nccl = Engine::from_checkpoint(dir, through_nccl);
+  const ModelRun b = run_model(*nccl, prompts, generated, G);
   const double prefill_err = test::relative_l2(a.prefill, b.prefill), step_err = test::relative_l2(a.steps, b.steps);
   std::printf("NCCL engine at tp 1 vs single GPU: relative L2 prefill %.3g, steps %.3g\n", prefill_err, step_err);
   EXPECT_LT(prefill_err, 1e-6);

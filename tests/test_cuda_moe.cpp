@@ -211,9 +211,11 @@ void expect_matches_oracle(const std::vector<float>& got, const std::vector<floa
   EXPECT_LT(relative_l2(got, want), kTolBf16) << what;
 }
 
-void check_moe(const MoeInputs& in, const char* what, int extra_workspace_tokens = 0) {
+void check_moe(const MoeInputs& in, const char* what, int extra_workspace_tokens = 0,
+               const cuda::MoeTuning& tuning = {}) {
   const std::vector<float> want = moe_cpu(in);
   MoeDevice dev(in, in.T + extra_workspace_tokens);
+  dev.p.tuning = tuning;
   cuda::launch_moe(dev.p, nullptr);
   const std::vector<float> got = from_bf16(dev.out.download());
   expect_matches_oracle(got, want, what);
@@ -309,12 +311,6 @@ TEST(CudaMoeExperts, RealisticShape) {
   }
 }
 
-// Restores the process-wide tuning at the end of a test.
-struct TuningScope {
-  cuda::MoeTuning saved = cuda::moe_tuning();
-  ~TuningScope() { cuda::set_moe_tuning(saved); }
-};
-
 TEST(CudaMoeExperts, LargeBatchesAtOddWidths) {
   TPMOE_REQUIRE_GPU();
   // Batch 128 and 256 (32-pair token blocks) at widths that are not multiples of the tiles.
@@ -330,7 +326,6 @@ TEST(CudaMoeExperts, EveryTokenBlockWidthAndLaunchMode) {
   // launch_moe picks the token block (8, 16 or 32 pairs) from the batch; force each one, with and
   // without programmatic dependent launch and the down-weight L2 prefetch, on shapes where an expert
   // has more pairs than a block (repeats within a token, all tokens on one expert, the shared row).
-  TuningScope scope;
   for (int bm : {8, 16, 32}) {
     for (int mode = 0; mode < 3; ++mode) {
       cuda::MoeTuning t;
@@ -338,16 +333,16 @@ TEST(CudaMoeExperts, EveryTokenBlockWidthAndLaunchMode) {
       t.pdl = mode != 1;
       t.down_prefetch_bytes = mode == 2 ? 0 : (1 << 20);
       t.auto_select = false;
-      cuda::set_moe_tuning(t);
       const std::string tag = " bm=" + std::to_string(bm) + " mode=" + std::to_string(mode);
-      check_moe(make_inputs(1, 5, 256, 128, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 101), 102), ("T=1" + tag).c_str());
+      check_moe(make_inputs(1, 5, 256, 128, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 101), 102), ("T=1" + tag).c_str(),
+                0, t);
       check_moe(make_inputs(19, 5, 200, 72, 9, 1.5f, routed_plus_shared(19, 8, 4, 1, 103), 104),
-                ("T=19 H=200 I=72" + tag).c_str());
+                ("T=19 H=200 I=72" + tag).c_str(), 0, t);
       check_moe(make_inputs(13, 3, 100, 45, 6, 1.f, std::vector<int32_t>(39, 5), 105),
-                ("one expert H=100 I=45" + tag).c_str());
+                ("one expert H=100 I=45" + tag).c_str(), 0, t);
       std::vector<int32_t> rep;
       for (int tk = 0; tk < 7; ++tk) rep.insert(rep.end(), {2, 2, 2, 9, 16});
-      check_moe(make_inputs(7, 5, 128, 64, 17, 0.75f, rep, 106), ("repeats" + tag).c_str());
+      check_moe(make_inputs(7, 5, 128, 64, 17, 0.75f, rep, 106), ("repeats" + tag).c_str(), 0, t);
     }
   }
 }

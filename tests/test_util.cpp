@@ -24,9 +24,11 @@ std::filesystem::path make_temp_dir(const std::string& tag) {
   return dir;
 }
 
-CommandResult run_cli(const std::string& args) {
+CommandResult run_cli(const std::string& args) { return run_cli_with_prefix("", args); }
+
+CommandResult run_cli_with_prefix(const std::string& prefix, const std::string& args) {
 #ifdef TPMOE_CLI_PATH
-  std::string cmd = std::string("timeout 120 '") + TPMOE_CLI_PATH + "' " + args + " 2>&1";
+  std::string cmd = std::string("timeout 120 ") + prefix + " '" + TPMOE_CLI_PATH + "' " + args + " 2>&1";
   FILE* pipe = popen(cmd.c_str(), "r");
   if (!pipe) throw std::runtime_error("popen failed: " + cmd);
   std::string out;

@@ -24,6 +24,8 @@ constexpr int kCliHung = 124;
 // Runs the built `tpmoe` binary with `args` (a shell-quoted string) and captures its output. The
 // command runs under `timeout 120`, so a hang fails the test instead of hanging CI.
 CommandResult run_cli(const std::string& args);
+// The same, started through a launcher (`prefix`, e.g. "mpirun -np 2").
+CommandResult run_cli_with_prefix(const std::string& prefix, const std::string& args);
 
 // The fixture's reference run (fixtures/m3-tiny/reference.safetensors, SPEC §5), batch-major.
 struct FixtureReference {

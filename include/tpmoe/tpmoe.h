@@ -20,6 +20,14 @@ struct EngineOptions {
   bool shared_expert_fusion = true;  // shared experts as extra routed-expert rows
   std::vector<int> pp_stage_ends;    // pipeline stage boundaries the fusion plan honours
   int threads = 0;                   // CPU threads in all (0: every core)
+  // Diagnostics and measurement knobs (filled by main from flags; the library reads no environment).
+  bool profile_ops = false;             // cuda: GPU time per op, printed at the end (steps run eagerly)
+  std::string allreduce_path = "auto";  // cuda, tp > 1: auto, oneshot, twoshot or nccl for every size
+  bool nccl_at_tp1 = false;             // cuda: tp 1 through the NCCL communicator (tests)
+  // > 0: run only rank 0 of a tp-`emulate_tp` group on one device (its shard and fusion plan; the
+  // collectives replaced by a local stand-in), to measure a rank of a deployment larger than the
+  // machine. Its logits are not the model's.
+  int emulate_tp = 0;
 };
 
 struct GenerateRequest {
@@ -30,6 +38,9 @@ struct GenerateRequest {
   std::vector<std::vector<int32_t>> forced_tokens;
   bool return_prefill_logits = false;  // logits at every prompt position
   bool return_step_logits = true;      // logits of every step (off for benchmarks)
+  // Count the distinct routed experts each decode step chose in each MoE layer (benchmarks: the
+  // bandwidth floor counts the experts a step actually reads).
+  bool record_routing = false;
 };
 
 struct GenerateResult {
@@ -42,14 +53,20 @@ struct GenerateResult {
   // [G-1]: wall time of each decode step (step 1 onward), host-synchronised by its argmax; prefill_seconds
   // is the time to the first token.
   std::vector<double> step_seconds;
+  // [G-1][layer] with record_routing: distinct routed experts decode step i (from 1) chose in each
+  // layer, over the real sequences (padding rows excluded); 0 for dense layers.
+  std::vector<std::vector<int>> step_routed_experts;
 };
 
 // "cuda" when this build has the CUDA backend and a GPU is visible, "cpu" otherwise: what a run
 // uses when no device is named.
 std::string default_device();
 
-// Copy bandwidth of the device's memory in bytes/s (bytes read + bytes written), measured now with a
-// large device-to-device copy (host memcpy for "cpu"): the ceiling decode is held to.
+// Read bandwidth of the device's memory in bytes/s, measured now with a read-only stream far larger
+// than the caches: the ceiling decode is held to (a step only reads its weights).
+double measure_read_bandwidth(const std::string& device);
+// Copy bandwidth (bytes read + bytes written per second) of a large device-to-device copy (host
+// memcpy for "cpu"): printed for reference.
 double measure_copy_bandwidth(const std::string& device);
 
 class Engine {
@@ -65,11 +82,16 @@ class Engine {
   virtual std::string describe() const = 0;
   // Checkpoint tensors the model did not read (vision and mtp. tensors excluded): reported, not fatal.
   virtual const std::vector<std::string>& unknown_tensors() const = 0;
+  // True in the process that holds rank 0: the one that returns results, prints and writes files
+  // (under mpirun, every other process gets empty results).
+  virtual bool is_primary() const = 0;
   // Bytes of weights each rank holds.
   virtual size_t weight_bytes_per_rank() const = 0;
-  // Weight bytes one decode step of `batch` sequences reads on a rank (routed experts as expected
-  // under uniform routing): the numerator of the bandwidth floor.
-  virtual double decode_weight_bytes(int batch) const = 0;
+  // Weight bytes one decode step of `batch` sequences reads on a rank: the numerator of the
+  // bandwidth floor. Routed experts: `routed_experts_per_layer[l]` distinct ones in layer l when
+  // given (GenerateResult::step_routed_experts: what the router chose), else the expectation under
+  // uniform routing.
+  virtual double decode_weight_bytes(int batch, const std::vector<int>* routed_experts_per_layer = nullptr) const = 0;
 };
 
 }  // namespace tpmoe

@@ -8,8 +8,8 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "engine/backends.h"
 #include "engine/bench.h"
+#include "engine/op_bench.h"
 #include "engine/report.h"
 #include "io/checkpoint.h"
 #include "model/presets.h"
@@ -50,6 +50,9 @@ struct ModelFlags {
   std::string device;  // empty: default_device()
   std::string shared_fusion = "on", allreduce_fusion = "on";
   int threads = 0;
+  bool profile_ops = false;
+  std::string allreduce_path = "auto";
+  int emulate_tp = 0;
 
   void add_to(CLI::App* app, bool with_device = true) {
     app->add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)");
@@ -63,6 +66,13 @@ struct ModelFlags {
     app->add_option("--shared-expert-fusion", shared_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
     app->add_option("--allreduce-fusion", allreduce_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
     app->add_option("--threads", threads, "CPU threads in all (default: every core)");
+    app->add_flag("--profile-ops", profile_ops, "cuda: print the GPU time of every op (steps then run without graphs)");
+    app->add_option("--emulate-tp", emulate_tp,
+                    "run only rank 0 of a tp-N group on one device (its shard and plan, collectives replaced by a "
+                    "local stand-in): one rank's step time of a deployment larger than this machine")
+        ->check(CLI::PositiveNumber);
+    app->add_option("--allreduce-path", allreduce_path, "cuda, tp > 1: force one all-reduce path for every size")
+        ->check(CLI::IsMember({"auto", "oneshot", "twoshot", "nccl"}));
   }
   std::string resolved_device() const { return device.empty() ? default_device() : device; }
   EngineOptions options() const {
@@ -72,6 +82,9 @@ struct ModelFlags {
     o.shared_expert_fusion = shared_fusion == "on";
     o.allreduce_fusion = allreduce_fusion == "on";
     o.threads = threads;
+    o.profile_ops = profile_ops;
+    o.allreduce_path = allreduce_path;
+    o.emulate_tp = emulate_tp;
     return o;
   }
   std::unique_ptr<Engine> load(const EngineOptions& o) const {
@@ -134,6 +147,7 @@ void run_generate(const GenerateFlags& f) {
   auto engine = f.model.load(f.model.options());
   warn_unknown(*engine);
   const GenerateResult r = engine->generate(req);
+  if (!engine->is_primary()) return;  // under mpirun, rank 0's process reports and writes
   const int B = int(req.prompts.size()), G = req.max_new_tokens, V = r.vocab_size;
   for (int b = 0; b < B; ++b) fmt::print("sequence {}: {}\n", b, fmt::join(r.generated[b], " "));
   const double decode_tokens = double(B) * (G - 1);
@@ -213,6 +227,13 @@ void run_inspect(const InspectFlags& f) {
   const FusionPlan plan =
       build_fusion_plan(config, layout, {o.allreduce_fusion, o.shared_expert_fusion}, shared_format_matches);
   fmt::print("{}{}", describe_config(config), plan.to_string());
+  const RankShard shard0 = RankShard::make(config, layout, 0);
+  fmt::print("lm_head: {}\n",
+             shard0.vocab_parallel()
+                 ? fmt::format("vocab-parallel, {} rows per rank; greedy argmax distributed", shard0.vocab_size)
+             : layout.tp == 1
+                 ? std::string("whole (tp=1)")
+                 : fmt::format("replicated (tp {} does not divide vocab {})", layout.tp, config.vocab_size));
   fmt::print("memory per rank (tp={}):\n", layout.tp);
   for (int r = 0; r < layout.tp; ++r) {
     const RankShard s = RankShard::make(config, layout, r);
@@ -242,6 +263,7 @@ void run_bench(const BenchFlags& f) {
   o.seed = f.model.seed;
   o.device = f.model.resolved_device();
   o.tp = f.model.tp;
+  o.emulate_tp = f.model.emulate_tp;
   o.threads = f.model.threads;
   if (!f.batches.empty()) o.batches = parse_int_list(f.batches, "--batch");
   const bool cuda = o.device == "cuda";
@@ -254,6 +276,7 @@ void run_bench(const BenchFlags& f) {
   if (o.model_dir.empty() && f.model.preset.empty() && !f.model.layers)
     fmt::print("embedded default: preset '{}'\n", kDefaultPreset);
   const BenchReport report = tpmoe::run_bench(o);
+  if (!report.primary) return;
   fmt::print("{}", format_bench(report));
   if (f.json.empty()) return;
   const std::string text = bench_json(report).dump(2) + "\n";
@@ -333,13 +356,8 @@ int main(int argc, char** argv) {
       run_inspect(in);
     else if (*b)
       run_bench(bf);
-#ifdef TPMOE_WITH_CUDA
     else if (*bo)
       run_allreduce_bench(bench_op_tp);
-#else
-    else if (*bo)
-      TPMOE_FAIL("bench-op {}: this build has no CUDA backend", bench_op);
-#endif
   } catch (const Error& e) {
     fmt::print(stderr, "error: {}\n", e.what());
     return 1;

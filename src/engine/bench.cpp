@@ -36,6 +36,7 @@ GenerateRequest bench_request(int batch, int prompt_len, int new_tokens) {
   }
   req.max_new_tokens = new_tokens;
   req.return_step_logits = false;
+  req.record_routing = true;  // the floor counts the experts each step actually read
   return req;
 }
 
@@ -109,6 +110,7 @@ BenchReport run_bench(const BenchOptions& o) {
   BenchReport report;
   report.device = o.device;
   report.tp = o.tp;
+  report.emulate_tp = o.emulate_tp;
   report.prompt_len = o.prompt_len;
   report.new_tokens = o.new_tokens;
   report.warmup = o.warmup;
@@ -134,15 +136,17 @@ BenchReport run_bench(const BenchOptions& o) {
     std::fflush(o.progress);
   };
 
-  progress(fmt::format("measuring {} copy bandwidth ...", o.device));
-  const double bandwidth = measure_copy_bandwidth(o.device);
-  report.copy_bandwidth_gbs = bandwidth / 1e9;
+  progress(fmt::format("measuring {} read and copy bandwidth ...", o.device));
+  const double bandwidth = measure_read_bandwidth(o.device);
+  report.read_bandwidth_gbs = bandwidth / 1e9;
+  report.copy_bandwidth_gbs = measure_copy_bandwidth(o.device) / 1e9;
 
   const int total = int(o.settings.size() * batches.size());
   int done = 0;
   for (const FusionSetting& s : o.settings) {
     EngineOptions eo;
     eo.tp = o.tp;
+    eo.emulate_tp = o.emulate_tp;
     eo.device = o.device;
     eo.threads = o.threads;
     eo.shared_expert_fusion = s.shared_expert_fusion;
@@ -158,6 +162,8 @@ BenchReport run_bench(const BenchOptions& o) {
       const GenerateRequest req = bench_request(batch, o.prompt_len, o.new_tokens);
       for (int w = 0; w < o.warmup; ++w) engine->generate(req);
       const GenerateResult r = engine->generate(req);
+      report.primary = engine->is_primary();
+      if (!report.primary) continue;  // under mpirun, rank 0's process measures and reports
       TPMOE_CHECK(int(r.step_seconds.size()) == o.new_tokens - 1, "bench: {} decode step times for {} steps",
                   r.step_seconds.size(), o.new_tokens - 1);
       const std::vector<double> tpot(r.step_seconds.begin() + 1, r.step_seconds.end());
@@ -175,7 +181,13 @@ BenchReport run_bench(const BenchOptions& o) {
       row.tpot_p99_ms = percentile(tpot, 99) * 1e3;
       row.timed_steps = int(tpot.size());
       row.tokens_per_s = batch / mean_s;
-      const double bytes = engine->decode_weight_bytes(batch);
+      // The bytes each timed step had to read: the experts its router actually chose.
+      TPMOE_CHECK(r.step_routed_experts.size() == r.step_seconds.size(), "bench: routing of {} steps for {} steps",
+                  r.step_routed_experts.size(), r.step_seconds.size());
+      double bytes = 0;
+      for (size_t i = 1; i < r.step_routed_experts.size(); ++i)
+        bytes += engine->decode_weight_bytes(batch, &r.step_routed_experts[i]);
+      bytes /= double(r.step_routed_experts.size() - 1);
       row.gb_per_step = bytes / 1e9;
       row.floor_ms = bytes / bandwidth * 1e3;
       row.ratio = row.tpot_mean_ms / row.floor_ms;
@@ -190,27 +202,35 @@ BenchReport run_bench(const BenchOptions& o) {
     }
     engine.reset();  // before the next setting's engine is built
   }
-  if (o.settings.size() > 1) report.gains = fusion_gains(report.rows, o.tp);
+  if (o.settings.size() > 1) report.gains = fusion_gains(report.rows, o.emulate_tp > 0 ? o.emulate_tp : o.tp);
   return report;
 }
 
 std::string format_bench(const BenchReport& rep) {
   std::string s;
   s += fmt::format("decode benchmark: {}, device {}, tp {}, prompt {} tokens, {} new tokens per sequence\n", rep.model,
-                   rep.device, rep.tp, rep.prompt_len, rep.new_tokens);
+                   rep.device, rep.emulate_tp > 0 ? rep.emulate_tp : rep.tp, rep.prompt_len, rep.new_tokens);
+  if (rep.emulate_tp > 0)
+    s += fmt::format(
+        "emulated: rank 0 of tp {} alone on one device (its shard and fusion plan); every collective replaced by a "
+        "local stand-in that runs the fused add + RMSNorm on this rank's partial, without communication: the rows "
+        "are one rank's compute and memory time, not a deployment's (all-reduce latency not included)\n",
+        rep.emulate_tp);
   s +=
       fmt::format("weights per rank: {:.4g} GiB", rep.weights_gib_per_rank.empty() ? 0.0 : rep.weights_gib_per_rank[0]);
   const auto& w = rep.weights_gib_per_rank;
   if (std::adjacent_find(w.begin(), w.end(), std::not_equal_to<>()) != w.end())  // fusion changes what is stored
     s += fmt::format(" ({:.4g} GiB per setting)", fmt::join(w, ", "));
-  s += fmt::format("; measured copy bandwidth {:.0f} GB/s (read + write)\n", rep.copy_bandwidth_gbs);
+  s += fmt::format("; measured read bandwidth {:.0f} GB/s (read-only stream; a copy: {:.0f} GB/s read + write)\n",
+                   rep.read_bandwidth_gbs, rep.copy_bandwidth_gbs);
   s += fmt::format(
       "protocol: {} warm-up generate(s) per row, then one measured generate; TTFT = prefill of the batch; "
       "step1 = first decode step (records the CUDA graph on cuda), not in TPOT; TPOT over the {} steps after it; "
       "tokens/s = batch / TPOT mean\n",
       rep.warmup, rep.new_tokens - 2);
-  s += "floor = weight bytes read per step (routed experts expected under uniform routing) / bandwidth; "
-       "ratio = TPOT mean / floor\n";
+  s += "floor = weight bytes a step must read (the routed experts each timed step's router chose, the shared ones, "
+       "every dense weight, the batch's embedding rows; mean over the timed steps) / read bandwidth; ratio = TPOT "
+       "mean / floor, >= 1 up to measurement noise\n";
   s += "setting = shared-expert fusion / all-reduce fusion\n";
   if (rep.full_layers > 0) s += rep.extrapolation + "\n";
 
@@ -270,10 +290,12 @@ nlohmann::json bench_json(const BenchReport& rep) {
   j["model"] = rep.model;
   j["device"] = rep.device;
   j["tp"] = rep.tp;
+  j["emulate_tp"] = rep.emulate_tp;
   j["prompt_len"] = rep.prompt_len;
   j["new_tokens"] = rep.new_tokens;
   j["warmup"] = rep.warmup;
   j["copy_bandwidth_gbs"] = rep.copy_bandwidth_gbs;
+  j["read_bandwidth_gbs"] = rep.read_bandwidth_gbs;
   j["weights_gib_per_rank"] = rep.weights_gib_per_rank;
   j["protocol"] =
       "TTFT = prefill of the batch; step1 = first decode step (records the CUDA graph on cuda); TPOT over the "

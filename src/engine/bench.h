@@ -10,7 +10,9 @@
 //   - TPOT = the wall time of each decode step from the second on: the first decode step of every
 //     generate records the CUDA graph on cuda, so it is reported apart (step1 ms), not averaged in;
 //   - tokens/s = batch / mean TPOT (decode throughput);
-//   - floor = decode_weight_bytes(batch) / measured copy bandwidth; ratio = mean TPOT / floor.
+//   - floor = the weight bytes each timed step had to read (decode_weight_bytes with the distinct
+//     experts its router chose), averaged, / the measured read-only bandwidth; ratio = mean TPOT /
+//     floor, which is >= 1 by construction up to measurement noise.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +38,7 @@ struct BenchOptions {
   uint64_t seed = 0;
   std::string device = "cpu";
   int tp = 1;
+  int emulate_tp = 0;  // > 0: rank 0 of a tp-N group on one device (EngineOptions::emulate_tp)
   int threads = 0;
   std::vector<int> batches;  // empty: default_batches(device)
   int prompt_len = 32;
@@ -79,12 +82,15 @@ struct BenchReport {
   std::string model;  // "preset m3, 4 layers" or the checkpoint directory
   std::string device;
   int tp = 1, prompt_len = 0, new_tokens = 0, warmup = 0;
-  double copy_bandwidth_gbs = 0;             // measured, bytes read + written
+  int emulate_tp = 0;                        // > 0: the rows time rank 0 of a tp-N group alone (no communication)
+  double read_bandwidth_gbs = 0;             // measured read-only stream: the floor's ceiling
+  double copy_bandwidth_gbs = 0;             // measured copy, bytes read + written (for reference)
   std::vector<double> weights_gib_per_rank;  // one per setting, in settings order
   int full_layers = 0;                       // > 0: rows carry tokens_per_s_full for this many layers
   std::string extrapolation;                 // the formula, when full_layers > 0
   std::vector<BenchRow> rows;
   std::vector<FusionGain> gains;  // with all four settings
+  bool primary = true;            // false in the processes of ranks other than 0 (mpirun): no rows
 };
 
 // Runs every (setting, batch), one engine at a time (an engine is destroyed before the next is built,

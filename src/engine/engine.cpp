@@ -1,103 +1,30 @@
-// The CPU engine and the Engine factory. The CPU engine loads each rank's shard and runs the ranks SPMD
-// (one thread per rank, the same program on each, talking only through the communicator).
-#include <omp.h>
-
+// The one engine: every device and every tensor-parallel size runs through SpmdEngine. A backend
+// supplies the ranks this process drives (weights, communicator, ops per request); the engine
+// decides the launch (ranks as threads, or one process per rank under mpirun), builds the fusion
+// plan, sizes each request's steps and runs the same generation loop on every rank (SPMD) under
+// RankRunner's one failure policy. tp 1 is a group of one.
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <exception>
-#include <thread>
 
-#include "backends/cpu/cpu_ops.h"
-#include "backends/cpu/local_comm.h"
+#include "backends/backend.h"
+#include "backends/cpu/cpu_backend.h"
 #include "core/error.h"
-#include "engine/backends.h"
 #include "engine/generation.h"
+#include "engine/launch.h"
+#include "engine/op_bench.h"
+#include "engine/rank_runner.h"
 #include "engine/report.h"
 #include "io/checkpoint.h"
 #include "model/model.h"
 #include "model/presets.h"
 #include "tpmoe/tpmoe.h"
+#ifdef TPMOE_WITH_CUDA
+#include "backends/cuda/cuda_backend.h"
+#endif
 
 namespace tpmoe {
-
-namespace {
-
-class CpuEngine final : public Engine {
- public:
-  CpuEngine(const io::Checkpoint& ckpt, const EngineOptions& options) : options_(options), config_(ckpt.config()) {
-    layout_.tp = options.tp;
-    layout_.pp_stage_ends = options.pp_stage_ends;
-    layout_.validate(config_);
-    FusionOptions fusion{options.allreduce_fusion, options.shared_expert_fusion};
-    plan_ = build_fusion_plan(config_, layout_, fusion, shared_expert_format_matches(ckpt));
-    for (int r = 0; r < options.tp; ++r)
-      ranks_.push_back(load_rank_weights(ckpt, RankShard::make(config_, layout_, r), plan_));
-    unused_ = ckpt.unused_tensors();
-  }
-
-  std::string describe() const override {
-    std::string s = describe_config(config_) + plan_.to_string();
-    if (!unused_.empty()) s += fmt::format("unknown tensors (not read): {}\n", fmt::join(unused_, ", "));
-    return s;
-  }
-  size_t weight_bytes_per_rank() const override { return ranks_.front().bytes; }
-  double decode_weight_bytes(int batch) const override {
-    return tpmoe::decode_weight_bytes(config_, RankShard::make(config_, layout_, 0), plan_, batch,
-                                      ranks_.front().embed.dtype);
-  }
-  const std::vector<std::string>& unknown_tensors() const override { return unused_; }
-
-  GenerateResult generate(const GenerateRequest& req) override {
-    validate_request(req, config_.vocab_size);
-    GenerateResult result;
-    cpu::LocalCommGroup group(options_.tp);
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(options_.tp));
-    const int hw = options_.threads > 0 ? options_.threads : int(std::max(1u, std::thread::hardware_concurrency()));
-    auto run_rank = [&](int rank) {
-      try {
-        omp_set_num_threads(std::max(1, hw / options_.tp));
-        cpu::CpuOps ops;
-        Model model(config_, plan_, RankShard::make(config_, layout_, rank), ranks_[rank], ops, group.rank(rank));
-        ops.init_cache(request_cache_shape(model, req, ops.records_steps()));
-        generate_on_rank(ops, model, config_.vocab_size, req, rank == 0 ? &result : nullptr);
-      } catch (...) {
-        errors[rank] = std::current_exception();
-        group.abort();
-      }
-    };
-    std::vector<std::thread> threads;
-    for (int r = 1; r < options_.tp; ++r) threads.emplace_back(run_rank, r);
-    run_rank(0);
-    for (auto& t : threads) t.join();
-    // Report the rank that failed, not the peers it woke with PeerFailed.
-    std::exception_ptr peer_failed;
-    for (auto& e : errors) {
-      if (!e) continue;
-      try {
-        std::rethrow_exception(e);
-      } catch (const cpu::PeerFailed&) {
-        peer_failed = e;
-      }
-    }
-    if (peer_failed) std::rethrow_exception(peer_failed);
-    return result;
-  }
-
- private:
-  EngineOptions options_;
-  ModelConfig config_;
-  ParallelLayout layout_;
-  FusionPlan plan_;
-  std::vector<ModelWeights> ranks_;
-  std::vector<std::string> unused_;
-};
-
-}  // namespace
-
-std::unique_ptr<Engine> make_cpu_engine(const io::Checkpoint& ckpt, const EngineOptions& options) {
-  return std::make_unique<CpuEngine>(ckpt, options);
-}
 
 namespace {
 
@@ -108,19 +35,187 @@ void check_device(const std::string& device) {
 #endif
 }
 
+// The ranks this process drives and how it reaches the others.
+RankLaunch make_launch(const EngineOptions& o) {
+  RankLaunch launch;
+  if (o.emulate_tp > 0) {
+    TPMOE_CHECK(o.tp == 1, "--emulate-tp {} runs rank 0 of that group on one device: leave --tp at 1 (got --tp {})",
+                o.emulate_tp, o.tp);
+    TPMOE_CHECK(!launched_by_mpi(), "--emulate-tp runs in one process; start it without mpirun");
+    launch.tp = o.emulate_tp;
+    launch.emulated = true;
+    launch.local_ranks = {0};
+    launch.local_devices = {0};
+    launch.broadcast_from_rank0 = [](void*, size_t) {};
+    launch.allgather = [](const void* mine, void* all, size_t bytes) { std::memcpy(all, mine, bytes); };
+  } else if (launched_by_mpi()) {
+    const MpiWorld& world = mpi_world();
+    // --tp defaults to the number of processes; the ranks check they agree before anything else.
+    launch.tp = o.tp == 1 ? world.size : o.tp;
+    launch.multi_process = true;
+    launch.local_ranks = {world.rank};
+    launch.local_devices = {world.local_rank};
+    launch.broadcast_from_rank0 = [](void* data, size_t bytes) { mpi_broadcast(data, bytes, 0); };
+    launch.allgather = [](const void* mine, void* all, size_t bytes) { mpi_allgather(mine, all, bytes); };
+  } else {
+    launch.tp = o.tp;
+    for (int r = 0; r < o.tp; ++r) {
+      launch.local_ranks.push_back(r);
+      launch.local_devices.push_back(r);
+    }
+    launch.broadcast_from_rank0 = [](void*, size_t) {};
+    launch.allgather = [](const void* mine, void* all, size_t bytes) { std::memcpy(all, mine, bytes); };
+  }
+  return launch;
+}
+
+class SpmdEngine final : public Engine {
+ public:
+  SpmdEngine(const ModelConfig& config, const EngineOptions& o, const WeightSource& source, bool shared_format_matches,
+             std::vector<std::string> unused)
+      : options_(o), config_(config), unused_(std::move(unused)) {
+    check_device(o.device);
+    launch_ = make_launch(o);
+    runner_ = std::make_unique<RankRunner>(launch_.multi_process, launch_.tp > 1 && !launch_.emulated);
+    // Collective set-up (communicators) runs on every local rank at once, under the same policy.
+    launch_.on_local_ranks = [this](const std::function<void(size_t)>& f) {
+      runner_->run(launch_.local_ranks.size(), f, {}, [this](size_t i) { return launch_.local_ranks[i]; });
+    };
+    layout_.tp = launch_.tp;
+    layout_.pp_stage_ends = o.pp_stage_ends;
+    layout_.validate(config_);
+    plan_ = build_fusion_plan(config_, layout_, {o.allreduce_fusion, o.shared_expert_fusion}, shared_format_matches);
+#ifdef TPMOE_WITH_CUDA
+    if (o.device == "cuda") {
+      cuda::CudaBackendOptions co;
+      co.ops.profile_ops = o.profile_ops;
+      co.nccl.path = cuda::parse_allreduce_path(o.allreduce_path);
+      co.nccl_at_tp1 = o.nccl_at_tp1;
+      group_ = cuda::make_rank_group(config_, layout_, plan_, source, launch_, co);
+    }
+#endif
+    if (!group_) group_ = cpu::make_rank_group(config_, layout_, plan_, source, launch_, {o.threads});
+  }
+
+  std::string describe() const override {
+    std::string s = describe_config(config_) + plan_.to_string();
+    if (launch_.emulated)
+      s += fmt::format(
+          "emulating rank 0 of tp {} on one device: its shard and plan; collectives replaced by a local stand-in that "
+          "runs the fused add + RMSNorm over this rank's partial only (no communication; logits are not the model's)\n",
+          launch_.tp);
+    if (!unused_.empty()) s += fmt::format("unknown tensors (not read): {}\n", fmt::join(unused_, ", "));
+    return s;
+  }
+  size_t weight_bytes_per_rank() const override { return group_->weight_bytes_per_rank(); }
+  double decode_weight_bytes(int batch, const std::vector<int>* routed_experts_per_layer) const override {
+    std::vector<double> routed;
+    if (routed_experts_per_layer) routed.assign(routed_experts_per_layer->begin(), routed_experts_per_layer->end());
+    return tpmoe::decode_weight_bytes(config_, RankShard::make(config_, layout_, 0), plan_, batch,
+                                      options_.device == "cuda" ? DType::kBF16 : group_weight_dtype(),
+                                      routed_experts_per_layer ? &routed : nullptr);
+  }
+  const std::vector<std::string>& unknown_tensors() const override { return unused_; }
+  bool is_primary() const override { return launch_.local_ranks.front() == 0; }
+
+  GenerateResult generate(const GenerateRequest& req) override {
+    validate_request(req, config_.vocab_size);
+    const StepBudget budget = step_budget(req);
+    GenerateResult result;
+    std::vector<RankBackend*> ranks = group_->local_ranks();
+    runner_->run(
+        ranks.size(),
+        [&](size_t i) {
+          RankBackend& r = *ranks[i];
+          r.activate();
+          std::unique_ptr<Ops> ops = r.make_ops(budget);
+          Model model(config_, plan_, RankShard::make(config_, layout_, r.rank()), r.weights(), *ops, r.comm());
+          ops->init_cache(request_cache_shape(model, req, ops->records_steps()));
+          generate_on_rank(*ops, model, config_.vocab_size, req, r.rank() == 0 ? &result : nullptr);
+        },
+        [&] { return group_->wake_blocked_peers(); }, [&](size_t i) { return ranks[i]->rank(); });
+    return result;
+  }
+
+ private:
+  // Engine policy: a request's prefill runs as one step and its decode in batches padded to a
+  // bucket (so a few recorded graphs serve every batch).
+  static StepBudget step_budget(const GenerateRequest& req) {
+    int prefill_tokens = 0, longest = 0;
+    for (const auto& p : req.prompts) {
+      prefill_tokens += int(p.size());
+      longest = std::max(longest, int(p.size()));
+    }
+    const int decode_rows = decode_bucket(int(req.prompts.size()));
+    StepBudget b;
+    b.max_tokens = std::max(prefill_tokens, decode_rows);
+    b.max_logit_rows = std::max(req.return_prefill_logits ? prefill_tokens : int(req.prompts.size()), decode_rows);
+    b.max_seqs = decode_rows;
+    b.max_len = longest + req.max_new_tokens;
+    return b;
+  }
+  DType group_weight_dtype() const { return group_->local_ranks().front()->weights().embed.dtype; }
+
+  EngineOptions options_;
+  ModelConfig config_;
+  ParallelLayout layout_;
+  FusionPlan plan_;
+  RankLaunch launch_;
+  std::unique_ptr<RankRunner> runner_;
+  std::unique_ptr<RankGroup> group_;
+  std::vector<std::string> unused_;
+};
+
 }  // namespace
+
+void run_allreduce_bench(int tp) {
+#ifdef TPMOE_WITH_CUDA
+  EngineOptions o;
+  o.tp = tp;
+  RankLaunch launch = make_launch(o);
+  const RankRunner runner(launch.multi_process, launch.tp > 1);
+  launch.on_local_ranks = [&](const std::function<void(size_t)>& f) {
+    runner.run(launch.local_ranks.size(), f, {}, [&](size_t i) { return launch.local_ranks[i]; });
+  };
+  cuda::run_allreduce_bench(launch);
+#else
+  TPMOE_FAIL("bench-op allreduce --tp {}: this build has no CUDA backend", tp);
+#endif
+}
 
 std::string default_device() {
 #ifdef TPMOE_WITH_CUDA
-  if (cuda_device_present()) return "cuda";
+  if (cuda::visible_gpus() > 0) return "cuda";
 #endif
   return "cpu";
+}
+
+double measure_read_bandwidth(const std::string& device) {
+  check_device(device);
+#ifdef TPMOE_WITH_CUDA
+  if (device == "cuda") return cuda::read_bandwidth();
+#endif
+  // Host: 8-byte loads over a buffer much larger than the caches, the sum kept so they stay.
+  const size_t words = size_t(64) << 20;
+  std::vector<uint64_t> a(words, 0x5A5A5A5A5A5A5A5Aull);
+  std::vector<double> rates;
+  volatile uint64_t sink = 0;
+  for (int rep = 0; rep < 5; ++rep) {
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t acc = 0;
+    for (size_t i = 0; i < words; ++i) acc ^= a[i];
+    sink = sink ^ acc;
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    rates.push_back(double(words * sizeof(uint64_t)) / s);
+  }
+  std::sort(rates.begin(), rates.end());
+  return rates[rates.size() / 2];
 }
 
 double measure_copy_bandwidth(const std::string& device) {
   check_device(device);
 #ifdef TPMOE_WITH_CUDA
-  if (device == "cuda") return cuda_copy_bandwidth();
+  if (device == "cuda") return cuda::copy_bandwidth();
 #endif
   // Host: a copy much larger than the caches, median of a few (read + written bytes per second).
   const size_t bytes = size_t(256) << 20;
@@ -139,20 +234,18 @@ double measure_copy_bandwidth(const std::string& device) {
 std::unique_ptr<Engine> Engine::from_checkpoint(const std::filesystem::path& dir, const EngineOptions& options) {
   check_device(options.device);
   const auto ckpt = io::Checkpoint::open(dir);
-#ifdef TPMOE_WITH_CUDA
-  if (options.device == "cuda") return make_cuda_engine(ckpt, options);
-#endif
-  return make_cpu_engine(ckpt, options);
+  WeightSource source;
+  source.checkpoint = &ckpt;
+  return std::make_unique<SpmdEngine>(ckpt.config(), options, source, shared_expert_format_matches(ckpt),
+                                      ckpt.unused_tensors());
 }
 
 std::unique_ptr<Engine> Engine::from_preset(const std::string& preset, std::optional<int> layers, uint64_t seed,
                                             const EngineOptions& options) {
   check_device(options.device);
-  const ModelConfig config = preset_config(preset, layers);
-#ifdef TPMOE_WITH_CUDA
-  if (options.device == "cuda") return make_cuda_preset_engine(config, seed, options);
-#endif
-  return make_cpu_engine(io::Checkpoint::from_memory(config, random_weights(config, seed)), options);
+  WeightSource source;
+  source.preset_seed = seed;
+  return std::make_unique<SpmdEngine>(preset_config(preset, layers), options, source, true, std::vector<std::string>{});
 }
 
 }  // namespace tpmoe

@@ -4,6 +4,8 @@
 
 #include <cmath>
 
+#include "model/weight_table.h"
+
 namespace tpmoe {
 
 std::string describe_config(const ModelConfig& c) {
@@ -28,24 +30,20 @@ std::string describe_config(const ModelConfig& c) {
   return s;
 }
 
+namespace {
+
+int64_t numel(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+}  // namespace
+
 size_t rank_weight_bytes(const ModelConfig& c, const RankShard& s, const FusionPlan& plan, DType matrix_dtype) {
-  const size_t m = dtype_size(matrix_dtype), f = sizeof(float);
-  const size_t H = size_t(c.hidden_size), hd = size_t(c.head_dim), ihd = size_t(c.index_head_dim);
-  // embed_tokens and lm_head (a tied head is stored twice: each is laid out for its own op), final norm
-  size_t bytes = 2 * size_t(c.vocab_size) * H * m + H * f;
-  for (int l = 0; l < c.num_layers; ++l) {
-    bytes += 2 * H * f;                                                                           // layer norms
-    bytes += (2 * size_t(s.num_q_heads) + 2 * size_t(s.num_kv_heads)) * hd * H * m + 2 * hd * f;  // q, k, v, o
-    if (c.layer_types[l] == AttentionType::kSparse)
-      bytes += (size_t(s.num_index_heads) + 1) * ihd * H * m + 2 * ihd * f;
-    if (c.mlp_layer_types[l] == MlpType::kDense) {
-      bytes += 3 * size_t(s.dense_inter) * H * m;
-      continue;
-    }
-    bytes += size_t(c.num_experts) * H * m + size_t(c.num_experts) * f;  // router, bias
-    bytes += size_t(plan.shared_expert.physical_rows) * 3 * size_t(s.moe_inter) * H * m;
-    if (!plan.shared_expert.fused) bytes += size_t(c.num_shared_experts) * 3 * size_t(s.shared_inter) * H * m;
-  }
+  size_t bytes = 0;
+  for (const WeightEntry& e : rank_weight_table(c, s, plan))
+    bytes += size_t(numel(e.shape)) * (e.vector ? sizeof(float) : dtype_size(matrix_dtype));
   return bytes;
 }
 
@@ -55,16 +53,23 @@ double expected_distinct_experts(const ModelConfig& c, int batch) {
 }
 
 double decode_weight_bytes(const ModelConfig& c, const RankShard& s, const FusionPlan& plan, int batch,
-                           DType matrix_dtype) {
-  const double m = double(dtype_size(matrix_dtype)), H = c.hidden_size;
-  // Everything the rank holds, minus what a step does not read: the embedding table but for the
-  // batch's rows, and the routed experts it does not route to.
-  double bytes = double(rank_weight_bytes(c, s, plan, matrix_dtype));
-  bytes -= double(c.vocab_size) * H * m - batch * H * m;
-  const double expert_bytes = 3.0 * s.moe_inter * H * m;
-  for (int l = 0; l < c.num_layers; ++l)
-    if (c.mlp_layer_types[l] == MlpType::kMoe)
-      bytes -= (c.num_experts - expected_distinct_experts(c, batch)) * expert_bytes;
+                           DType matrix_dtype, const std::vector<double>* routed_experts_per_layer) {
+  double bytes = 0;
+  for (const WeightEntry& e : rank_weight_table(c, s, plan)) {
+    const double elem = e.vector ? sizeof(float) : double(dtype_size(matrix_dtype));
+    const double row = double(numel(e.shape)) / double(e.shape[0]) * elem;  // bytes of one dim-0 row
+    switch (e.read) {
+      case StepRead::kWhole: bytes += row * double(e.shape[0]); break;
+      case StepRead::kTokenRows: bytes += row * double(batch); break;
+      case StepRead::kExpertRows: {
+        const int layer = e.blocks.front().source.layer;
+        const double routed = routed_experts_per_layer ? routed_experts_per_layer->at(size_t(layer))
+                                                       : expected_distinct_experts(c, batch);
+        bytes += row * (routed + double(e.shape[0] - e.routed_rows));  // fused shared rows: always read
+        break;
+      }
+    }
+  }
   return bytes;
 }
 

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "core/dtype.h"
 #include "model/config.h"
@@ -18,10 +19,12 @@ size_t rank_weight_bytes(const ModelConfig& config, const RankShard& shard, cons
 // Expected distinct routed experts a batch of `batch` tokens touches in one MoE layer when routing is
 // uniform (each token picks k of E): E * (1 - (1 - k/E)^batch).
 double expected_distinct_experts(const ModelConfig& config, int batch);
-// Weight bytes one decode step of `batch` tokens reads on one rank: every dense weight once, the
-// embedding rows of the batch, and the expert rows touched (shared always, routed as above).
+// Weight bytes one decode step of `batch` tokens reads on one rank (from the weight table): every
+// dense weight once, the embedding rows of the batch, and the expert rows touched - shared always,
+// routed: `routed_experts_per_layer[l]` distinct experts in MoE layer l when given (what the router
+// actually chose), else the uniform-routing expectation above.
 double decode_weight_bytes(const ModelConfig& config, const RankShard& shard, const FusionPlan& plan, int batch,
-                           DType matrix_dtype);
+                           DType matrix_dtype, const std::vector<double>* routed_experts_per_layer = nullptr);
 
 // KV-cache bytes one token costs on one rank (K, V and, on sparse layers, the index key).
 size_t rank_kv_bytes_per_token(const ModelConfig& config, const RankShard& shard, DType cache_dtype);

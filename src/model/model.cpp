@@ -47,8 +47,11 @@ size_t Model::activation_bytes(const ModelConfig& c_, const RankShard& shard_, i
     }
     worst_layer = std::max(worst_layer, bytes);
   }
-  return T * (4 * H + 3 * H * a + worst_layer) + size_t(max_logit_rows) * (H * a + 4 * size_t(c_.vocab_size) + 4) +
-         kAllocSlack;
+  // Per logit row: the selected hidden row, this rank's logits, and (vocab-parallel) the gathered
+  // full row plus the distributed argmax's candidates of every rank.
+  const size_t per_logit_row = H * a + 4 * size_t(shard_.vocab_size) + 4 +
+                               (shard_.vocab_parallel() ? 4 * size_t(c_.vocab_size) + 8 * size_t(shard_.tp) + 8 : 0);
+  return T * (4 * H + 3 * H * a + worst_layer) + size_t(max_logit_rows) * per_logit_row + 4 * kAllocSlack;
 }
 
 void Model::attention(int l, Tensor h, int T, Tensor out) {
@@ -102,6 +105,7 @@ void Model::moe(int l, Tensor h, int T, Tensor out) {
   const MoeWeights& m = w_.layers[l].moe;
   const bool fused = plan_.shared_expert.fused;
   RouterParams rp;
+  rp.layer = l;
   rp.num_experts = c_.num_experts;
   rp.top_k = c_.num_experts_per_tok;
   rp.num_shared_slots = fused ? c_.num_shared_experts : 0;
@@ -166,7 +170,8 @@ Tensor Model::forward(const StepTokens& step) {
     ops_.add_rmsnorm(pending, residual, w_.final_norm, eps, h);
 
   const int rows = int(step.logit_rows.size());
-  Tensor selected = ops_.alloc(rows, H), logits = ops_.alloc_typed(rows, c_.vocab_size, DType::kF32);
+  // This rank's vocabulary slice of the logits (all of it unless lm_head is vocab-parallel).
+  Tensor selected = ops_.alloc(rows, H), logits = ops_.alloc_typed(rows, shard_.vocab_size, DType::kF32);
   ops_.gather_logit_rows(h, selected);
   ops_.linear(selected, w_.lm_head, logits);
   return logits;

@@ -26,10 +26,15 @@ class Model {
   // size of the backend's activation dtype.
   static size_t activation_bytes(const ModelConfig& config, const RankShard& shard, int max_tokens, int max_logit_rows,
                                  size_t act_bytes);
-  // Runs one step (the caller has made it current with ops.begin_step) and returns the logits of
-  // step.logit_rows as [rows, vocab] fp32, in backend memory. Launches only: no host sync, so a
+  // Runs one step (the caller has made it current with ops.begin_step) and returns this rank's
+  // logits of step.logit_rows as [rows, shard().vocab_size] fp32 (vocabulary entries from
+  // shard().vocab_begin), in backend memory. Launches only: no host sync, so a
   // backend can capture it in a graph.
   Tensor forward(const StepTokens& step);
+  const RankShard& shard() const { return shard_; }
+  int num_layers() const { return c_.num_layers; }
+  int num_experts() const { return c_.num_experts; }
+  Communicator& comm() { return comm_; }
 
  private:
   // Each writes its (partial-sum) output into `out`; temporaries come from the layer's scratch.

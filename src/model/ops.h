@@ -23,6 +23,8 @@ struct StepTokens {
   std::vector<int32_t> seq_slots;
   // Rows of the step whose logits are wanted (the last prompt token of each sequence, or every row).
   std::vector<int32_t> logit_rows;
+  // The last num_padding tokens only pad the batch to a recorded size: their results are ignored.
+  int num_padding = 0;
   int num_tokens() const { return int(token_ids.size()); }
 };
 
@@ -64,6 +66,7 @@ struct SwigluParams {
 };
 
 struct RouterParams {
+  int layer = 0;
   int num_experts = 0;       // E: routed experts, the router's width
   int top_k = 0;             // k
   int num_shared_slots = 0;  // n appended shared slots (0 when shared-expert fusion is off)
@@ -125,8 +128,16 @@ class Ops {
                            const SwigluParams& p, float scale, Tensor out) = 0;
   // out[R, H] = x[rows[r]] for the step's logit_rows.
   virtual void gather_logit_rows(Tensor x, Tensor out) = 0;
-  // ids[R] (int32) = argmax of each row of logits[R, V] (the first maximum, as torch.argmax).
-  virtual void argmax(Tensor logits, Tensor ids) = 0;
+  // ids[R] (int32) = argmax of each row of logits[R, V] (the first maximum, as torch.argmax); when
+  // `values` is given, values[R] (fp32) = that maximum (for a distributed argmax over vocab slices).
+  virtual void argmax(Tensor logits, Tensor ids, Tensor values) = 0;
+  // Routing statistics, for a benchmark's bandwidth floor: once enabled, route() marks the routed
+  // experts that the step's real (non-padding) tokens chose, per layer; take_routed_experts()
+  // returns how many distinct ones each layer chose since the last call, and clears the marks
+  // (waits for the backend: not inside a captured step).
+  virtual void enable_routing_stats(int num_layers, int num_experts) = 0;
+  virtual std::vector<int> take_routed_experts() = 0;
+
   // Host copies (these wait for the backend: not inside a captured step).
   virtual std::vector<float> to_host(Tensor t) = 0;
   virtual std::vector<int32_t> ids_to_host(Tensor ids) = 0;

@@ -61,6 +61,10 @@ RankShard RankShard::make(const ModelConfig& c, const ParallelLayout& layout, in
   s.shared_inter_begin = rank * s.shared_inter;
   s.dense_inter = c.dense_intermediate_size / tp;
   s.dense_inter_begin = rank * s.dense_inter;
+  s.vocab_total = c.vocab_size;
+  const bool split_vocab = tp > 1 && c.vocab_size % tp == 0;
+  s.vocab_size = split_vocab ? c.vocab_size / tp : c.vocab_size;
+  s.vocab_begin = split_vocab ? rank * s.vocab_size : 0;
   return s;
 }
 

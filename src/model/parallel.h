@@ -3,7 +3,9 @@
 // This is the one place that knows the TP layout: q heads split; K/V heads split, or replicated
 // when tp > num_kv_heads; indexer query heads follow their KV group; every intermediate dimension
 // (dense MLP, shared expert, routed experts) split with the gate and up halves split alike; o_proj
-// and every down projection row-parallel (so their outputs are partial sums); the rest replicated.
+// and every down projection row-parallel (so their outputs are partial sums); lm_head split by
+// vocabulary rows when tp divides the vocabulary (each rank's logits are a slice, joined by a
+// distributed argmax or a gather); the rest, embedding included, replicated.
 #pragma once
 
 #include <string>
@@ -39,6 +41,11 @@ struct RankShard {
   int moe_inter_begin = 0, moe_inter = 0;
   int shared_inter_begin = 0, shared_inter = 0;  // per shared expert
   int dense_inter_begin = 0, dense_inter = 0;
+  // lm_head rows (vocabulary entries) [begin, begin + size): vocab-parallel when tp divides the
+  // vocabulary, so each rank reads 1/tp of the head per step; the whole vocabulary otherwise.
+  int vocab_begin = 0, vocab_size = 0;
+  bool vocab_parallel() const { return tp > 1 && vocab_size > 0 && vocab_size * tp == vocab_total; }
+  int vocab_total = 0;
 
   static RankShard make(const ModelConfig& config, const ParallelLayout& layout, int rank);
 };

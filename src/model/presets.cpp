@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "model/weight_table.h"
 
 namespace tpmoe {
 
@@ -96,52 +97,14 @@ float random_value(uint64_t seed, uint64_t key, uint64_t index, float stddev) {
 
 std::map<std::string, io::OwnedTensor> random_weights(const ModelConfig& c, uint64_t seed, DType dtype) {
   std::map<std::string, io::OwnedTensor> out;
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, float stddev, DType dt) {
+  for (const CanonicalTensor& t : canonical_tensors(c)) {
     int64_t n = 1;
-    for (auto d : shape) n *= d;
+    for (auto d : t.shape) n *= d;
     std::vector<float> v(static_cast<size_t>(n));
-    const uint64_t key = tensor_key(name);
+    const uint64_t key = tensor_key(t.name);
 #pragma omp parallel for
-    for (int64_t i = 0; i < n; ++i) v[i] = random_value(seed, key, uint64_t(i), stddev);
-    out[name] = io::OwnedTensor::from_f32(std::move(shape), v, dt);
-  };
-  const int64_t H = c.hidden_size, hd = c.head_dim, V = c.vocab_size;
-  const float w = 0.02f, norm = 0.1f;
-  add("model.embed_tokens.weight", {V, H}, 1.0f, dtype);
-  add("model.norm.weight", {H}, norm, dtype);
-  if (!c.tie_word_embeddings) add("lm_head.weight", {V, H}, w, dtype);
-  for (int l = 0; l < c.num_layers; ++l) {
-    const std::string p = fmt::format("model.layers.{}.", l);
-    add(p + "input_layernorm.weight", {H}, norm, dtype);
-    add(p + "post_attention_layernorm.weight", {H}, norm, dtype);
-    add(p + "self_attn.q_proj.weight", {c.num_heads * hd, H}, w, dtype);
-    add(p + "self_attn.k_proj.weight", {c.num_kv_heads * hd, H}, w, dtype);
-    add(p + "self_attn.v_proj.weight", {c.num_kv_heads * hd, H}, w, dtype);
-    add(p + "self_attn.o_proj.weight", {H, c.num_heads * hd}, w, dtype);
-    add(p + "self_attn.q_norm.weight", {hd}, norm, dtype);
-    add(p + "self_attn.k_norm.weight", {hd}, norm, dtype);
-    if (c.layer_types[l] == AttentionType::kSparse) {
-      const int64_t ihd = c.index_head_dim;
-      add(p + "self_attn.indexer.q_proj.weight", {c.index_n_heads * ihd, H}, w, dtype);
-      add(p + "self_attn.indexer.k_proj.weight", {ihd, H}, w, dtype);
-      add(p + "self_attn.indexer.q_norm.weight", {ihd}, norm, dtype);
-      add(p + "self_attn.indexer.k_norm.weight", {ihd}, norm, dtype);
-    }
-    if (c.mlp_layer_types[l] == MlpType::kDense) {
-      add(p + "mlp.gate_up_proj.weight", {2 * int64_t(c.dense_intermediate_size), H}, w, dtype);
-      add(p + "mlp.down_proj.weight", {H, c.dense_intermediate_size}, w, dtype);
-      continue;
-    }
-    const int64_t E = c.num_experts, I = c.moe_intermediate_size;
-    add(p + "mlp.gate.weight", {E, H}, w, dtype);
-    add(p + "mlp.gate.e_score_correction_bias", {E}, 0.01f, DType::kF32);
-    add(p + "mlp.experts.gate_up_proj", {E, 2 * I, H}, w, dtype);
-    add(p + "mlp.experts.down_proj", {E, H, I}, w, dtype);
-    if (c.num_shared_experts > 0) {
-      const int64_t Is = int64_t(c.num_shared_experts) * c.shared_intermediate_size;
-      add(p + "mlp.shared_experts.gate_up_proj.weight", {2 * Is, H}, w, dtype);
-      add(p + "mlp.shared_experts.down_proj.weight", {H, Is}, w, dtype);
-    }
+    for (int64_t i = 0; i < n; ++i) v[i] = random_value(seed, key, uint64_t(i), t.stddev);
+    out[t.name] = io::OwnedTensor::from_f32(t.shape, v, t.always_f32 ? DType::kF32 : dtype);
   }
   return out;
 }

@@ -252,7 +252,24 @@ void CpuOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Ten
       ids[k + i] = E + i;
       w[k + i] = p.shared_weight;
     }
+    if (!routed_.empty() && t < T - step_->num_padding)
+      for (int i = 0; i < k; ++i) routed_[size_t(p.layer) * routed_experts_ + size_t(ids[i])] = 1;
   }
+}
+
+void CpuOps::enable_routing_stats(int num_layers, int num_experts) {
+  routed_experts_ = num_experts;
+  routed_.assign(size_t(num_layers) * size_t(num_experts), 0);
+}
+
+std::vector<int> CpuOps::take_routed_experts() {
+  std::vector<int> counts;
+  for (size_t l = 0; routed_experts_ > 0 && l < routed_.size() / size_t(routed_experts_); ++l) {
+    counts.push_back(int(
+        std::count(routed_.begin() + l * routed_experts_, routed_.begin() + (l + 1) * routed_experts_, uint8_t(1))));
+  }
+  std::fill(routed_.begin(), routed_.end(), 0);
+  return counts;
 }
 
 void CpuOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
@@ -307,11 +324,13 @@ void CpuOps::gather_logit_rows(Tensor x, Tensor out) {
     std::memcpy(out.as<float>() + r * H, x.as<float>() + step_->logit_rows[r] * H, sizeof(float) * H);
 }
 
-void CpuOps::argmax(Tensor logits, Tensor ids) {
+void CpuOps::argmax(Tensor logits, Tensor ids, Tensor values) {
   const int64_t R = logits.dim(0), V = logits.dim(1);
   for (int64_t r = 0; r < R; ++r) {
     const float* row = logits.as<float>() + r * V;
-    ids.as<int32_t>()[r] = int32_t(std::max_element(row, row + V) - row);
+    const float* best = std::max_element(row, row + V);
+    ids.as<int32_t>()[r] = int32_t(best - row);
+    if (!values.empty()) values.as<float>()[r] = *best;
   }
 }
 

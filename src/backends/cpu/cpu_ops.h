@@ -32,7 +32,9 @@ class CpuOps final : public Ops {
   void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down, const SwigluParams& p,
                    float scale, Tensor out) override;
   void gather_logit_rows(Tensor x, Tensor out) override;
-  void argmax(Tensor logits, Tensor ids) override;
+  void argmax(Tensor logits, Tensor ids, Tensor values) override;
+  void enable_routing_stats(int num_layers, int num_experts) override;
+  std::vector<int> take_routed_experts() override;
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
@@ -45,6 +47,8 @@ class CpuOps final : public Ops {
   CacheShape cache_shape_;
   std::vector<LayerCache> cache_;
   std::vector<std::unique_ptr<std::byte[]>> workspace_;
+  std::vector<uint8_t> routed_;  // [layer][expert]: chosen since the last take (routing stats on)
+  int routed_experts_ = 0;
 };
 
 // Free functions the ops are built from, exposed so tests can check them on their own.

@@ -22,6 +22,20 @@ class LocalCommunicator final : public Communicator {
     std::memcpy(data.data, sum.data(), data.nbytes());
   }
 
+  void all_gather(Tensor local, Tensor gathered) override {
+    const size_t n = local.nbytes();
+    TPMOE_CHECK(gathered.nbytes() == n * size_t(g_.size_), "local all_gather: {} bytes for {} ranks of {} bytes",
+                gathered.nbytes(), g_.size_, n);
+    {
+      std::lock_guard lock(g_.mutex_);
+      g_.published_[rank_] = local.data;
+    }
+    if (g_.size_ > 1) g_.barrier();  // every rank's buffer is published and final
+    for (int r = 0; r < g_.size_; ++r)
+      std::memcpy(static_cast<std::byte*>(gathered.data) + size_t(r) * n, g_.published_[r], n);
+    if (g_.size_ > 1) g_.barrier();  // peers may still be reading our buffer
+  }
+
   void allreduce_add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor y) override {
     const int64_t H = weight.dim(0), T = partial.numel() / H;
     std::vector<float> sum(static_cast<size_t>(partial.numel()));

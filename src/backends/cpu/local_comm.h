@@ -19,13 +19,6 @@
 
 namespace tpmoe::cpu {
 
-// What a rank blocked in a collective throws when a peer failed: the peer's own error is the one
-// to report.
-class PeerFailed : public Error {
- public:
-  using Error::Error;
-};
-
 class LocalCommGroup {
  public:
   explicit LocalCommGroup(int size);

@@ -18,15 +18,14 @@
 #include <thread>
 #include <vector>
 
+#include "backends/cuda/cuda_backend.h"
 #include "backends/cuda/cuda_check.h"
-#include "backends/cuda/mpi_launch.h"
 #include "backends/cuda/nccl_comm.h"
 #include "core/dtype.h"
 #include "core/error.h"
-#include "engine/backends.h"
-#include "engine/rank_checks.h"
+#include "model/rank_checks.h"
 
-namespace tpmoe {
+namespace tpmoe::cuda {
 
 namespace {
 
@@ -36,7 +35,7 @@ constexpr int kIters = 20, kWarmup = 3, kReps = 15;
 
 struct Row {
   int tokens = 0;
-  cuda::AllreducePath chosen = cuda::AllreducePath::kNccl;
+  AllreducePath chosen = AllreducePath::kNccl;
   double oneshot_us = 0, twoshot_us = 0, nccl_norm_us = 0, nccl_us = 0;
 };
 
@@ -72,7 +71,7 @@ double time_graph(cudaStream_t stream, Op op) {
 }
 
 std::vector<Row> bench_rank(const ncclUniqueId& id, int tp, int rank) {
-  cuda::NcclCommunicator comm(id, tp, rank, kHidden, kMaxTokens);
+  NcclCommunicator comm(id, tp, rank, kHidden, {.window_tokens = kMaxTokens});
   cudaStream_t stream;
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   comm.set_stream(stream);
@@ -97,15 +96,15 @@ std::vector<Row> bench_rank(const ncclUniqueId& id, int tp, int rank) {
   }
   std::vector<Row> rows;
   for (int T = 1; T <= kMaxTokens; T *= 2) {
-    cuda::AddRmsNormParams p{partial, residual, weight, y, T, kHidden, 1e-6f};
+    AddRmsNormParams p{partial, residual, weight, y, T, kHidden, 1e-6f};
     Row row;
     row.tokens = T;
     row.chosen = comm.choose(T, kHidden);
     if (comm.fused_available()) {
-      row.oneshot_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, cuda::AllreducePath::kOneShot); });
-      row.twoshot_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, cuda::AllreducePath::kTwoShot); });
+      row.oneshot_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, AllreducePath::kOneShot); });
+      row.twoshot_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, AllreducePath::kTwoShot); });
     }
-    row.nccl_norm_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, cuda::AllreducePath::kNccl); });
+    row.nccl_norm_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, AllreducePath::kNccl); });
     row.nccl_us = time_graph(stream, [&] { comm.all_reduce_bf16(partial, size_t(T) * kHidden); });
     rows.push_back(row);
   }
@@ -121,44 +120,22 @@ std::vector<Row> bench_rank(const ncclUniqueId& id, int tp, int rank) {
 
 }  // namespace
 
-void run_allreduce_bench(int tp) {
-  std::vector<Row> rows;
-  int ranks = tp;
+void run_allreduce_bench(const RankLaunch& launch) {
+  check_nccl_version();
+  const int gpus = visible_gpus();
+  if (!launch.multi_process) check_gpus_for_tp(launch.tp, gpus);
+  for (int d : launch.local_devices) TPMOE_CHECK(d < gpus, "rank needs GPU {} but {} GPU(s) are visible", d, gpus);
   ncclUniqueId id{};
-  if (cuda::launched_by_mpi()) {
-    const cuda::MpiWorld& world = cuda::mpi_world();
-    TPMOE_CHECK(tp == 1 || tp == world.size, "bench-op allreduce --tp {} under mpirun -np {}: give --tp {} or none", tp,
-                world.size, world.size);
-    ranks = world.size;
-    int gpus = 0;
-    cudaGetDeviceCount(&gpus);
-    TPMOE_CHECK(world.local_rank < gpus, "rank {} needs GPU {} but {} are visible", world.rank, world.local_rank, gpus);
-    CUDA_CHECK(cudaSetDevice(world.local_rank));
-    if (world.rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
-    cuda::mpi_broadcast(&id, sizeof id, 0);
-    rows = bench_rank(id, ranks, world.rank);
-  } else {
-    int gpus = 0;
-    if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
-    check_gpus_for_tp(tp, gpus);
-    NCCL_CHECK(ncclGetUniqueId(&id));
-    std::vector<std::exception_ptr> errors(static_cast<size_t>(tp));
-    auto run = [&](int r) {
-      try {
-        CUDA_CHECK(cudaSetDevice(r));
-        auto mine = bench_rank(id, tp, r);
-        if (r == 0) rows = std::move(mine);
-      } catch (...) {
-        errors[r] = std::current_exception();
-      }
-    };
-    std::vector<std::thread> threads;
-    for (int r = 1; r < tp; ++r) threads.emplace_back(run, r);
-    run(0);
-    for (auto& t : threads) t.join();
-    for (auto& e : errors)
-      if (e) std::rethrow_exception(e);
-  }
+  if (launch.local_ranks.front() == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+  launch.broadcast_from_rank0(&id, sizeof id);
+  std::vector<Row> rows;
+  const int ranks = launch.tp;
+  launch.on_local_ranks([&](size_t i) {
+    CUDA_CHECK(cudaSetDevice(launch.local_devices[i]));
+    auto mine = bench_rank(id, launch.tp, launch.local_ranks[i]);
+    if (launch.local_ranks[i] == 0) rows = std::move(mine);
+  });
+  if (launch.local_ranks.front() != 0) return;  // rank 0 prints
   cudaDeviceProp prop{};
   int device = 0;
   cudaGetDevice(&device);
@@ -172,10 +149,9 @@ void run_allreduce_bench(int tp) {
   for (const Row& r : rows) {
     auto us = [](double v) { return v > 0 ? fmt::format("{:.2f}", v) : std::string("-"); };
     fmt::print("{:>6} {:>9.3f} {:>10} {:>10} {:>10} {:>11} {:>9}\n", r.tokens, double(r.tokens) * kHidden * 2 / 1e6,
-               cuda::allreduce_path_name(r.chosen), us(r.oneshot_us), us(r.twoshot_us), us(r.nccl_norm_us),
-               us(r.nccl_us));
+               allreduce_path_name(r.chosen), us(r.oneshot_us), us(r.twoshot_us), us(r.nccl_norm_us), us(r.nccl_us));
   }
   std::fflush(stdout);
 }
 
-}  // namespace tpmoe
+}  // namespace tpmoe::cuda

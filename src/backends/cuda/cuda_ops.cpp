@@ -9,7 +9,6 @@
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
 #include "core/error.h"
-#include "engine/generation.h"
 #include "model/model.h"
 
 namespace tpmoe::cuda {
@@ -60,14 +59,11 @@ void CudaOps::collect_op_times() {
   pending_times_.clear();
 }
 
-CudaReserve CudaReserve::for_request(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard,
-                                     const GenerateRequest& req) {
-  int prefill_tokens = 0;
-  for (const auto& p : req.prompts) prefill_tokens += int(p.size());
-  const int decode_rows = decode_bucket(int(req.prompts.size()));
+CudaReserve CudaReserve::for_budget(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard,
+                                    const StepBudget& budget) {
   CudaReserve r;
-  r.max_tokens = std::max(prefill_tokens, decode_rows);
-  const int max_logit_rows = req.return_prefill_logits ? prefill_tokens : decode_rows;
+  r.max_tokens = budget.max_tokens;
+  const int max_logit_rows = budget.max_logit_rows;
   // The model's activations, plus the greedy argmax's per-block winners that follow them.
   r.arena_bytes = Model::activation_bytes(config, shard, r.max_tokens, max_logit_rows, sizeof(uint16_t)) +
                   argmax_workspace_bytes(max_logit_rows, config.vocab_size) + kAllocAlign;
@@ -84,24 +80,25 @@ CudaReserve CudaReserve::for_request(const ModelConfig& config, const FusionPlan
   return r;
 }
 
-CudaOps::CudaOps(const CudaReserve& reserve) : reserve_(reserve) {
-  const char* profile = std::getenv("TPMOE_PROFILE_OPS");
-  profile_ops_ = profile && std::string(profile) == "1";
+CudaOps::CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options)
+    : reserve_(reserve), profile_ops_(options.profile_ops) {
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), reserve.arena_bytes));
   if (reserve.moe_workspace_bytes) CUDA_CHECK(cudaMalloc(&moe_workspace_, reserve.moe_workspace_bytes));
   // Token ids, positions, slots and logit rows: 4 arrays of max_tokens.
-  const size_t step_bytes = 4 * size_t(reserve.max_tokens) * sizeof(int32_t);
+  const size_t step_bytes = (4 * size_t(reserve.max_tokens) + 1) * sizeof(int32_t);
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_device_), step_bytes));
   CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&step_pinned_), step_bytes));
   token_ids_ = step_device_;
   positions_ = step_device_ + reserve.max_tokens;
   seq_slots_ = step_device_ + 2 * reserve.max_tokens;
   logit_rows_ = step_device_ + 3 * reserve.max_tokens;
+  num_real_tokens_ = step_device_ + 4 * reserve.max_tokens;
 }
 
 CudaOps::~CudaOps() {
   cudaStreamSynchronize(stream_);
+  if (on_destroy_) on_destroy_();
   if (profile_ops_) {
     collect_op_times();
     double all = 0;
@@ -111,7 +108,7 @@ CudaOps::~CudaOps() {
       rows.push_back({t.first, fmt::format("{:>10.3f} ms {:>5.1f}% {:>7} calls  {}", t.first, 100 * t.first / all,
                                            t.second, name)});
     std::sort(rows.rbegin(), rows.rend());
-    fmt::print(stderr, "GPU time per op after the first two steps (TPMOE_PROFILE_OPS=1, steps run eagerly):\n");
+    fmt::print(stderr, "GPU time per op after the first two steps (--profile-ops, steps run eagerly):\n");
     for (const auto& r : rows) fmt::print(stderr, "{}\n", r.second);
   }
   for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g.exec);
@@ -120,6 +117,7 @@ CudaOps::~CudaOps() {
   cudaFree(moe_workspace_);
   cudaFree(arena_);
   cudaFree(step_device_);
+  cudaFree(routed_);
   cudaFreeHost(step_pinned_);
   cudaStreamDestroy(stream_);
 }
@@ -197,7 +195,9 @@ void CudaOps::begin_step(const StepTokens& step) {
   std::memcpy(step_pinned_ + n, step.positions.data(), sizeof(int32_t) * T);
   std::memcpy(step_pinned_ + 2 * n, step.seq_slots.data(), sizeof(int32_t) * T);
   std::memcpy(step_pinned_ + 3 * n, step.logit_rows.data(), sizeof(int32_t) * R);
-  CUDA_CHECK(cudaMemcpyAsync(step_device_, step_pinned_, 4 * sizeof(int32_t) * n, cudaMemcpyHostToDevice, stream_));
+  step_pinned_[4 * n] = T - step.num_padding;
+  CUDA_CHECK(
+      cudaMemcpyAsync(step_device_, step_pinned_, (4 * n + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   num_tokens_ = T;
   num_logit_rows_ = R;
   arena_used_ = 0;
@@ -313,6 +313,30 @@ void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Te
   launch_route({router_logits.as<float>(), bias.as<float>(), slot_ids.as<int32_t>(), slot_weights.as<float>(),
                 int(router_logits.dim(0)), p.num_experts, p.top_k, p.num_shared_slots, p.shared_weight},
                stream_);
+  if (routed_)
+    launch_mark_routed(
+        {slot_ids.as<int32_t>(), num_real_tokens_, int(router_logits.dim(0)), p.top_k + p.num_shared_slots, p.top_k,
+         p.num_experts, routed_ + size_t(p.layer) * size_t(routed_experts_)},
+        stream_);
+}
+
+void CudaOps::enable_routing_stats(int num_layers, int num_experts) {
+  cudaFree(routed_);
+  routed_layers_ = num_layers;
+  routed_experts_ = num_experts;
+  CUDA_CHECK(cudaMalloc(&routed_, size_t(num_layers) * size_t(num_experts)));
+  CUDA_CHECK(cudaMemsetAsync(routed_, 0, size_t(num_layers) * size_t(num_experts), stream_));
+}
+
+std::vector<int> CudaOps::take_routed_experts() {
+  if (!routed_) return {};
+  std::vector<uint8_t> marks(size_t(routed_layers_) * size_t(routed_experts_));
+  CUDA_CHECK(cudaMemcpyAsync(marks.data(), routed_, marks.size(), cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));
+  CUDA_CHECK(cudaMemsetAsync(routed_, 0, marks.size(), stream_));
+  std::vector<int> counts(static_cast<size_t>(routed_layers_));
+  for (size_t i = 0; i < marks.size(); ++i) counts[i / size_t(routed_experts_)] += marks[i];
+  return counts;
 }
 
 void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
@@ -344,12 +368,13 @@ void CudaOps::gather_logit_rows(Tensor x, Tensor out) {
   launch_gather_rows(bf16(x), logit_rows_, num_logit_rows_, int(x.dim(1)), bf16_mut(out), stream_);
 }
 
-void CudaOps::argmax(Tensor logits, Tensor ids) {
+void CudaOps::argmax(Tensor logits, Tensor ids, Tensor values) {
   const auto timer = timed("argmax");
   const int rows = int(logits.dim(0)), vocab = int(logits.dim(1));
   const size_t bytes = argmax_workspace_bytes(rows, vocab);
   Tensor scratch = alloc_typed(int64_t((bytes + 3) / 4), 1, DType::kI32);
-  launch_argmax(logits.as<float>(), rows, vocab, ids.as<int32_t>(), scratch.data, bytes, stream_);
+  launch_argmax(logits.as<float>(), rows, vocab, ids.as<int32_t>(), values.empty() ? nullptr : values.as<float>(),
+                scratch.data, bytes, stream_);
 }
 
 std::vector<float> CudaOps::to_host(Tensor t) {

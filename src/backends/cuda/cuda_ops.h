@@ -6,17 +6,18 @@
 
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "backends/backend.h"
 #include "backends/cuda/attention.cuh"
 #include "backends/cuda/gemm.h"
 #include "model/fusion_plan.h"
 #include "model/ops.h"
 #include "model/parallel.h"
-#include "tpmoe/tpmoe.h"
 
 namespace tpmoe::cuda {
 
@@ -29,17 +30,26 @@ struct CudaReserve {
   // Attention workspace dimensions (the context length comes with init_cache).
   int num_q_heads = 0, num_index_heads = 0, head_dim = 0, block_size = 1, topk_blocks = 1;
 
-  // What one rank needs to serve `req`: its prefill in one step and decode in padded buckets.
-  static CudaReserve for_request(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard,
-                                 const GenerateRequest& req);
+  // What one rank needs for steps within `budget` (the engine's policy, not the backend's).
+  static CudaReserve for_budget(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard,
+                                const StepBudget& budget);
+};
+
+struct CudaOpsOptions {
+  // Per-op GPU time, for finding where a step goes (--profile-ops). Steps then run eagerly (no
+  // graph) and the totals per op are printed to stderr when the ops are destroyed.
+  bool profile_ops = false;
 };
 
 class CudaOps final : public Ops {
  public:
-  explicit CudaOps(const CudaReserve& reserve);
+  CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options = {});
   ~CudaOps() override;
 
   cudaStream_t stream() const { return stream_; }
+  // Called first when the ops are destroyed (after the stream is drained, before it goes): whoever
+  // enqueues on stream() - a communicator - lets go of it there.
+  void set_on_destroy(std::function<void()> f) { on_destroy_ = std::move(f); }
 
   Tensor alloc(int64_t rows, int64_t cols) override { return alloc_typed(rows, cols, DType::kBF16); }
   Tensor alloc_typed(int64_t rows, int64_t cols, DType dtype) override;
@@ -63,12 +73,15 @@ class CudaOps final : public Ops {
   void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down, const SwigluParams& p,
                    float scale, Tensor out) override;
   void gather_logit_rows(Tensor x, Tensor out) override;
-  void argmax(Tensor logits, Tensor ids) override;
+  void argmax(Tensor logits, Tensor ids, Tensor values) override;
+  void enable_routing_stats(int num_layers, int num_experts) override;
+  std::vector<int> take_routed_experts() override;
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
  private:
   CudaReserve reserve_;
+  std::function<void()> on_destroy_;
   cudaStream_t stream_ = nullptr;
   Gemm gemm_;
   std::byte* arena_ = nullptr;
@@ -83,13 +96,16 @@ class CudaOps final : public Ops {
   int num_tokens_ = 0, num_logit_rows_ = 0;
   int64_t steps_begun_ = 0;
   int32_t *token_ids_ = nullptr, *positions_ = nullptr, *seq_slots_ = nullptr, *logit_rows_ = nullptr;
+  int32_t* num_real_tokens_ = nullptr;  // on the device, so a recorded step reads the current count
+
+  uint8_t* routed_ = nullptr;  // [layer][expert] marks of the routing stats (null: off)
+  int routed_layers_ = 0, routed_experts_ = 0;
 
   CacheShape cache_shape_;
   std::vector<KvCacheLayer> cache_;
   std::vector<void*> cache_allocations_;
 
-  // Per-op GPU time, for finding where a step goes: on when TPMOE_PROFILE_OPS=1 is set. Steps then
-  // run eagerly (no graph) and the totals per op are printed to stderr when the ops are destroyed.
+  // Per-op GPU time (CudaOpsOptions::profile_ops).
   class OpTimer {
    public:
     OpTimer(CudaOps& ops, std::string name);

@@ -9,6 +9,7 @@
 #include "backends/cuda/elementwise.cuh"
 #include "core/error.h"
 #include "model/presets.h"
+#include "model/weight_table.h"
 
 namespace tpmoe::cuda {
 
@@ -53,103 +54,55 @@ std::unique_ptr<DeviceWeights> DeviceWeights::upload(const ModelWeights& host_in
   return d;
 }
 
-namespace {
-
-// Fills a device tensor by concatenating whole preset tensors (at tp 1 every rank tensor is one, or
-// for fused experts the routed stack followed by the shared expert).
-struct Source {
-  std::string name;
-  int64_t count;
-};
-
-constexpr float kMatrixStd = 0.02f, kNormStd = 0.1f, kBiasStd = 0.01f, kEmbedStd = 1.0f;  // as random_weights
-
-}  // namespace
-
 std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c, const FusionPlan& plan,
-                                                            uint64_t seed) {
-  TPMOE_CHECK(plan.tp == 1, "device-generated presets are built for tp 1 (got tp {})", plan.tp);
-  // The shapes are those load_rank_weights gives the one rank of tp 1; the names and scales those
-  // random_weights uses.
+                                                            const RankShard& shard, uint64_t seed) {
+  // Every tensor of the shard from the weight table: each block's values come from its canonical
+  // tensor's name and element index (as random_weights computes them), generated in place, so no
+  // rank ever needs the whole model. Matrices are bf16 on the device; vectors are made on the host
+  // exactly as random_weights makes them (rounded to bf16 as the preset checkpoint stores them,
+  // but for the fp32 router bias), then widened to fp32.
   std::unique_ptr<DeviceWeights> d(new DeviceWeights);
   ModelWeights& w = d->weights_;
-  const int64_t H = c.hidden_size, hd = c.head_dim, V = c.vocab_size;
-
-  auto matrix = [&](std::vector<int64_t> shape, std::vector<Source> sources, float stddev) {
-    Tensor t = shape.size() == 2 ? Tensor::make(nullptr, DType::kBF16, shape[0], shape[1])
-                                 : Tensor::make(nullptr, DType::kBF16, shape[0], shape[1], shape[2]);
-    t = d->alloc_like(t, DType::kBF16);
-    int64_t offset = 0;
-    for (const auto& s : sources) {
-      launch_fill_random(static_cast<uint16_t*>(t.data) + offset, false, s.count, seed, tensor_key(s.name), 0, stddev,
-                         nullptr);
-      offset += s.count;
-    }
-    TPMOE_CHECK(offset == t.numel(), "internal: preset tensor sources cover {} of {} elements", offset, t.numel());
-    return t;
-  };
-  // Vectors are tiny: made on the host exactly as random_weights makes them (rounded to the
-  // checkpoint dtype when it is bf16), then widened to fp32.
-  auto vector = [&](const std::string& name, int64_t n, float stddev, bool rounded) {
-    std::vector<float> v(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) {
-      v[i] = random_value(seed, tensor_key(name), uint64_t(i), stddev);
-      if (rounded) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
-    }
-    Tensor t = d->alloc_like(Tensor::make(nullptr, DType::kF32, n), DType::kF32);
-    CUDA_CHECK(cudaMemcpy(t.data, v.data(), t.nbytes(), cudaMemcpyHostToDevice));
-    return t;
-  };
-
-  w.embed = matrix({V, H}, {{"model.embed_tokens.weight", V * H}}, kEmbedStd);
-  w.final_norm = vector("model.norm.weight", H, kNormStd, true);
-  w.lm_head = matrix({V, H}, {{"lm_head.weight", V * H}}, kMatrixStd);
   w.layers.resize(size_t(c.num_layers));
-  for (int l = 0; l < c.num_layers; ++l) {
-    LayerWeights& lw = w.layers[l];
-    const std::string p = fmt::format("model.layers.{}.", l);
-    lw.input_norm = vector(p + "input_layernorm.weight", H, kNormStd, true);
-    lw.post_attention_norm = vector(p + "post_attention_layernorm.weight", H, kNormStd, true);
-    const int64_t nq = c.num_heads * hd, nkv = c.num_kv_heads * hd;
-    lw.attn.q_proj = matrix({nq, H}, {{p + "self_attn.q_proj.weight", nq * H}}, kMatrixStd);
-    lw.attn.k_proj = matrix({nkv, H}, {{p + "self_attn.k_proj.weight", nkv * H}}, kMatrixStd);
-    lw.attn.v_proj = matrix({nkv, H}, {{p + "self_attn.v_proj.weight", nkv * H}}, kMatrixStd);
-    lw.attn.o_proj = matrix({H, nq}, {{p + "self_attn.o_proj.weight", H * nq}}, kMatrixStd);
-    lw.attn.q_norm = vector(p + "self_attn.q_norm.weight", hd, kNormStd, true);
-    lw.attn.k_norm = vector(p + "self_attn.k_norm.weight", hd, kNormStd, true);
-    if (c.layer_types[l] == AttentionType::kSparse) {
-      const int64_t ihd = c.index_head_dim, niq = c.index_n_heads * ihd;
-      lw.attn.index_q_proj = matrix({niq, H}, {{p + "self_attn.indexer.q_proj.weight", niq * H}}, kMatrixStd);
-      lw.attn.index_k_proj = matrix({ihd, H}, {{p + "self_attn.indexer.k_proj.weight", ihd * H}}, kMatrixStd);
-      lw.attn.index_q_norm = vector(p + "self_attn.indexer.q_norm.weight", ihd, kNormStd, true);
-      lw.attn.index_k_norm = vector(p + "self_attn.indexer.k_norm.weight", ihd, kNormStd, true);
-    }
-    if (c.mlp_layer_types[l] == MlpType::kDense) {
-      const int64_t Id = c.dense_intermediate_size;
-      lw.dense.gate_up = matrix({2 * Id, H}, {{p + "mlp.gate_up_proj.weight", 2 * Id * H}}, kMatrixStd);
-      lw.dense.down = matrix({H, Id}, {{p + "mlp.down_proj.weight", H * Id}}, kMatrixStd);
+  for (const WeightEntry& e : rank_weight_table(c, shard, plan)) {
+    Tensor shape = e.shape.size() == 1   ? Tensor::make(nullptr, DType::kF32, e.shape[0])
+                   : e.shape.size() == 2 ? Tensor::make(nullptr, DType::kBF16, e.shape[0], e.shape[1])
+                                         : Tensor::make(nullptr, DType::kBF16, e.shape[0], e.shape[1], e.shape[2]);
+    Tensor& t = e.slot(w);
+    t = d->alloc_like(shape, shape.dtype);
+    if (e.vector) {
+      std::vector<float> v;
+      for (const Block& b : e.blocks) {
+        const CanonicalLocation at = canonical_location(c, b.source);
+        const bool rounded = !preset_always_f32(b.source);
+        for (int64_t i = 0; i < b.rows; ++i) {
+          float x = random_value(seed, tensor_key(at.name), uint64_t(at.offset + b.row_begin + i),
+                                 preset_stddev(c, b.source));
+          v.push_back(rounded ? bf16_to_f32(f32_to_bf16(x)) : x);
+        }
+      }
+      TPMOE_CHECK(int64_t(v.size()) == t.numel(), "internal: preset vector {} has {} of {} values", e.name, v.size(),
+                  t.numel());
+      CUDA_CHECK(cudaMemcpy(t.data, v.data(), t.nbytes(), cudaMemcpyHostToDevice));
       continue;
     }
-    const int64_t E = c.num_experts, I = c.moe_intermediate_size, R = plan.shared_expert.physical_rows;
-    const int64_t Is = int64_t(c.num_shared_experts) * c.shared_intermediate_size;
-    lw.moe.router = matrix({E, H}, {{p + "mlp.gate.weight", E * H}}, kMatrixStd);
-    lw.moe.bias = vector(p + "mlp.gate.e_score_correction_bias", E, kBiasStd, false);
-    std::vector<Source> gate_up{{p + "mlp.experts.gate_up_proj", E * 2 * I * H}};
-    std::vector<Source> down{{p + "mlp.experts.down_proj", E * H * I}};
-    const std::string shared_gate_up = p + "mlp.shared_experts.gate_up_proj.weight";
-    const std::string shared_down = p + "mlp.shared_experts.down_proj.weight";
-    if (plan.shared_expert.fused) {
-      // At tp 1 with one shared expert of the routed shape, its [2I, H] gate_up and [H, I] down are
-      // exactly expert row E.
-      TPMOE_CHECK(c.num_shared_experts == 1, "device-generated presets fuse exactly one shared expert");
-      gate_up.push_back({shared_gate_up, 2 * I * H});
-      down.push_back({shared_down, H * I});
-    } else if (c.num_shared_experts > 0) {
-      lw.moe.shared.gate_up = matrix({2 * Is, H}, {{shared_gate_up, 2 * Is * H}}, kMatrixStd);
-      lw.moe.shared.down = matrix({H, Is}, {{shared_down, H * Is}}, kMatrixStd);
+    const int64_t row_length = e.shape.back();
+    int64_t offset = 0;  // elements (concat_columns: columns) written so far
+    for (const Block& b : e.blocks) {
+      const CanonicalLocation at = canonical_location(c, b.source);
+      FillRandomParams p;
+      p.out = static_cast<uint16_t*>(t.data) + offset;
+      p.rows = b.rows;
+      p.cols = b.cols;
+      p.out_row_stride = e.concat_columns ? row_length : b.cols;
+      p.seed = seed;
+      p.key = tensor_key(at.name);
+      p.index_offset = uint64_t(at.offset + b.row_begin * at.row_stride + b.col_begin);
+      p.index_row_stride = at.row_stride;
+      p.stddev = preset_stddev(c, b.source);
+      launch_fill_random(p, nullptr);
+      offset += e.concat_columns ? b.cols : b.rows * b.cols;
     }
-    lw.moe.experts_gate_up = matrix({R, 2 * I, H}, gate_up, kMatrixStd);
-    lw.moe.experts_down = matrix({R, H, I}, down, kMatrixStd);
   }
   CUDA_CHECK(cudaDeviceSynchronize());
   return d;

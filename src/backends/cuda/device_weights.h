@@ -17,8 +17,10 @@ class DeviceWeights {
  public:
   // Copies `host` to the device, converting fp32 matrices to bf16.
   static std::unique_ptr<DeviceWeights> upload(const ModelWeights& host);
-  // The preset weights random_weights(config, seed, BF16) would give, made on the device for tp 1.
-  static std::unique_ptr<DeviceWeights> random_preset(const ModelConfig& config, const FusionPlan& plan, uint64_t seed);
+  // Rank `shard`'s slice of the preset weights random_weights(config, seed, BF16) would give, made
+  // on the device block by block (bitwise what loading that checkpoint would give the rank).
+  static std::unique_ptr<DeviceWeights> random_preset(const ModelConfig& config, const FusionPlan& plan,
+                                                      const RankShard& shard, uint64_t seed);
   ~DeviceWeights();
 
   const ModelWeights& weights() const { return weights_; }

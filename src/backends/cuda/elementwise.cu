@@ -202,14 +202,18 @@ __global__ void __launch_bounds__(kArgmaxThreads)
 
 // Pass 2, one block per row: the best of the row's chunk winners.
 __global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_finish_kernel(const Best* __restrict__ partial, int chunks, int vocab, int32_t* __restrict__ ids) {
+    argmax_finish_kernel(const Best* __restrict__ partial, int chunks, int vocab, int32_t* __restrict__ ids,
+                         float* __restrict__ values) {
   Best best{-__int_as_float(0x7f800000), INT32_MAX};
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
     const Best b = partial[int64_t(blockIdx.x) * chunks + c];
     consider(best, b.value, b.index);
   }
   best = block_best(best);
-  if (threadIdx.x == 0) ids[blockIdx.x] = best.index < vocab ? best.index : 0;
+  if (threadIdx.x == 0) {
+    ids[blockIdx.x] = best.index < vocab ? best.index : 0;
+    if (values) values[blockIdx.x] = best.value;
+  }
 }
 
 // ---- fill_random ---------------------------------------------------------------------------------
@@ -223,17 +227,20 @@ __host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
 
 // `stream_key` = splitmix64(seed ^ key), hashed once on the host.
 template <bool kF32>
-__global__ void fill_random_kernel(void* out, int64_t n, uint64_t stream_key, uint64_t index_offset, float stddev) {
+__global__ void fill_random_kernel(FillRandomParams p, uint64_t stream_key) {
+  const int64_t n = p.rows * p.cols;
   for (int64_t i = global_thread(); i < n; i += grid_stride()) {
-    const uint64_t bits = splitmix64(stream_key + index_offset + uint64_t(i));
+    const int64_t r = i / p.cols, c = i - r * p.cols;
+    const uint64_t bits = splitmix64(stream_key + p.index_offset + uint64_t(r * p.index_row_stride + c));
     // bits >> 40 < 2^24: the conversion and the scaling by 2^-24 are exact.
     const float unit = __fmul_rn(float(uint32_t(bits >> 40)), 1.0f / float(1u << 24));
     // (2.f * unit - 1.f) * 1.7320508f * stddev, evaluated left to right with no FMA, as the host does.
-    const float v = __fmul_rn(__fmul_rn(__fadd_rn(__fmul_rn(2.f, unit), -1.f), 1.7320508f), stddev);
+    const float v = __fmul_rn(__fmul_rn(__fadd_rn(__fmul_rn(2.f, unit), -1.f), 1.7320508f), p.stddev);
+    const int64_t o = r * p.out_row_stride + c;
     if constexpr (kF32)
-      static_cast<float*>(out)[i] = v;
+      static_cast<float*>(p.out)[o] = v;
     else
-      static_cast<__nv_bfloat16*>(out)[i] = __float2bfloat16_rn(v);
+      static_cast<__nv_bfloat16*>(p.out)[o] = __float2bfloat16_rn(v);
   }
 }
 
@@ -292,8 +299,8 @@ size_t argmax_workspace_bytes(int rows, int vocab) {
   return size_t(rows) * size_t((vocab + kArgmaxChunk - 1) / kArgmaxChunk) * sizeof(Best);
 }
 
-void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, void* workspace, size_t workspace_bytes,
-                   cudaStream_t stream) {
+void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, float* values, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream) {
   if (rows <= 0) return;
   check_arg(vocab > 0, "argmax: vocab must be positive");
   check_arg(logits && ids && workspace, "argmax: logits, ids and workspace must be set");
@@ -307,19 +314,20 @@ void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, void*
   else
     argmax_chunk_kernel<false><<<grid, kArgmaxThreads, 0, stream>>>(logits, vocab, partial);
   CUDA_CHECK_LAUNCH();
-  argmax_finish_kernel<<<rows, kArgmaxThreads, 0, stream>>>(partial, chunks, vocab, ids);
+  argmax_finish_kernel<<<rows, kArgmaxThreads, 0, stream>>>(partial, chunks, vocab, ids, values);
   CUDA_CHECK_LAUNCH();
 }
 
-void launch_fill_random(void* out, bool out_f32, int64_t n, uint64_t seed, uint64_t key, uint64_t index_offset,
-                        float stddev, cudaStream_t stream) {
+void launch_fill_random(const FillRandomParams& p, cudaStream_t stream) {
+  const int64_t n = p.rows * p.cols;
   if (n <= 0) return;
-  check_arg(out != nullptr, "fill_random: out must be set");
-  const uint64_t stream_key = splitmix64(seed ^ key);
-  if (out_f32)
-    fill_random_kernel<true><<<grid_for(n), kThreads, 0, stream>>>(out, n, stream_key, index_offset, stddev);
+  check_arg(p.out != nullptr, "fill_random: out must be set");
+  check_arg(p.out_row_stride >= p.cols && p.index_row_stride >= p.cols, "fill_random: row strides below cols");
+  const uint64_t stream_key = splitmix64(p.seed ^ p.key);
+  if (p.out_f32)
+    fill_random_kernel<true><<<grid_for(n), kThreads, 0, stream>>>(p, stream_key);
   else
-    fill_random_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(out, n, stream_key, index_offset, stddev);
+    fill_random_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(p, stream_key);
   CUDA_CHECK_LAUNCH();
 }
 

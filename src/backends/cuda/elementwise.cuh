@@ -42,17 +42,27 @@ void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream);
 void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_rows, int cols, __nv_bfloat16* out,
                         cudaStream_t stream);
 
-// ids[r] = argmax_v logits[r, v] (fp32), first maximum on ties (as torch.argmax). Two passes (blocks
-// of 4096 logits, then their winners per row) so a batch-1 row of 200k logits spreads over the GPU;
-// the workspace holds the per-block winners.
+// ids[r] = argmax_v logits[r, v] (fp32), first maximum on ties (as torch.argmax), and values[r] =
+// that maximum when values is not null. Two passes (blocks of 4096 logits, then their winners per
+// row) so a batch-1 row of 200k logits spreads over the GPU; the workspace holds the block winners.
 size_t argmax_workspace_bytes(int rows, int vocab);
-void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, void* workspace, size_t workspace_bytes,
-                   cudaStream_t stream);
+void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, float* values, void* workspace,
+                   size_t workspace_bytes, cudaStream_t stream);
 
-// Fills n bf16 (or fp32 when out_f32) values with the presets' counter-based random numbers:
-// value i = random_value(seed, key, index_offset + i, stddev) (src/model/presets.h), so a preset
-// generated on the device is bitwise the model the CPU generates.
-void launch_fill_random(void* out, bool out_f32, int64_t n, uint64_t seed, uint64_t key, uint64_t index_offset,
-                        float stddev, cudaStream_t stream);
+// Fills a rows x cols block with the presets' counter-based random numbers: element (r, c), written
+// at out[r * out_row_stride + c] as bf16 (fp32 when out_f32), is random_value(seed, key,
+// index_offset + r * index_row_stride + c, stddev) (src/model/presets.h). So a device-generated
+// shard holds bitwise the values of the same block of the model the CPU generates.
+struct FillRandomParams {
+  void* out = nullptr;
+  bool out_f32 = false;
+  int64_t rows = 1, cols = 0;
+  int64_t out_row_stride = 0;    // elements between output rows (>= cols)
+  uint64_t seed = 0, key = 0;    // key = tensor_key(canonical name)
+  uint64_t index_offset = 0;     // canonical element index of (0, 0)
+  int64_t index_row_stride = 0;  // canonical elements between rows (the source's K)
+  float stddev = 0;
+};
+void launch_fill_random(const FillRandomParams& p, cudaStream_t stream);
 
 }  // namespace tpmoe::cuda

@@ -613,8 +613,6 @@ __global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t n, fl
     out[i] = f32_to_bf16_bits(in[i] * scale);
 }
 
-MoeTuning g_tuning;
-
 // cudaLaunchKernelEx with the programmatic-stream-serialization attribute when pdl is set.
 template <class... KArgs, class... Args>
 void launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
@@ -647,7 +645,26 @@ void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, 
     go(moe_gemm_kernel<kGateUp, 4>, rows_per_cta<kGateUp, 4>());
 }
 
+// One thread per (token, slot) of the recorded maximum; tokens past the step's real count skip.
+__global__ void mark_routed_kernel(const MarkRoutedParams p) {
+  const int pairs = *p.num_tokens * p.slots;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x) {
+    if (i % p.slots >= p.top_k) continue;  // shared slots are always read; the floor counts them apart
+    const int32_t e = p.slot_ids[i];
+    if (e >= 0 && e < p.num_experts) p.flags[e] = 1;
+  }
+}
+
 }  // namespace
+
+void launch_mark_routed(const MarkRoutedParams& p, cudaStream_t stream) {
+  if (p.max_tokens <= 0) return;
+  check_arg(p.slot_ids && p.num_tokens && p.flags, "mark_routed: slot_ids, num_tokens and flags must be set");
+  check_arg(p.top_k <= p.slots && p.num_experts >= 1, "mark_routed: need top_k <= slots and num_experts >= 1");
+  const int pairs = p.max_tokens * p.slots;
+  mark_routed_kernel<<<std::min(1024, (pairs + 255) / 256), 256, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
 
 void launch_route(const RouteKernelParams& p, cudaStream_t stream) {
   check_arg(p.num_tokens >= 0, "launch_route: num_tokens < 0");
@@ -691,7 +708,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   // Measured on an H200 (docs/PERF.md): 8-pair blocks are fastest up to 64 tokens, 16 at 128, 32
   // beyond; PDL gains ~3 us at small batches and loses up to 6% at 128+ tokens (I = 3072); the down
   // prefetch pays only at a single token.
-  MoeTuning tune = g_tuning;
+  MoeTuning tune = p.tuning;
   int block_m = tune.block_m;
   if (block_m != 8 && block_m != 16 && block_m != 32) block_m = p.num_tokens <= 64 ? 8 : p.num_tokens <= 128 ? 16 : 32;
   if (tune.auto_select) {
@@ -762,9 +779,6 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   check_arg(chunks <= 65535, "launch_moe: hidden too large for the combine grid");
   launch_k(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, stream, tune.pdl, cp);
 }
-
-void set_moe_tuning(const MoeTuning& t) { g_tuning = t; }
-MoeTuning moe_tuning() { return g_tuning; }
 
 void launch_scatter_add_weighted(const float* y, const int32_t* token, const float* w, int n, int hidden, float* acc,
                                  cudaStream_t stream) {

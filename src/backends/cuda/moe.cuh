@@ -30,6 +30,28 @@ struct RouteKernelParams {
 // Ties in score + bias go to the lower expert id (as the CPU oracle).
 void launch_route(const RouteKernelParams& p, cudaStream_t stream);
 
+// Routing statistics: flags[e] = 1 for every routed expert e (slot < top_k) chosen by the first
+// *num_tokens tokens. The count is read on the device, so a recorded step counts each replay's.
+struct MarkRoutedParams {
+  const int32_t* slot_ids = nullptr;    // [max_tokens, slots]
+  const int32_t* num_tokens = nullptr;  // device scalar, <= max_tokens
+  int max_tokens = 0;
+  int slots = 0, top_k = 0, num_experts = 0;
+  uint8_t* flags = nullptr;  // [num_experts]
+};
+void launch_mark_routed(const MarkRoutedParams& p, cudaStream_t stream);
+
+// Knobs of launch_moe, for benchmarks and tests (the defaults are the measured best).
+// Every setting is deterministic and matches the CPU oracle; pdl and the prefetch do not change a
+// bit, block_m changes the k order of the sums (each output is one CTA's fixed-order reduction).
+struct MoeTuning {
+  bool pdl = true;  // programmatic dependent launch between the kernels
+  int block_m = 0;  // pairs per token block: 8, 16 or 32; 0 = from num_tokens (<= 64: 8, <= 128: 16, else 32)
+  int down_prefetch_bytes = 65536;  // per down CTA, weights prefetched into L2 before its wait; 0 = off
+  // Apply pdl only up to 64 tokens and the prefetch only at 1 token (where they measured faster).
+  bool auto_select = true;
+};
+
 struct MoeKernelParams {
   const __nv_bfloat16* x = nullptr;        // [T, hidden]
   const int32_t* slot_ids = nullptr;       // [T, slots], each in [0, num_rows)
@@ -47,23 +69,11 @@ struct MoeKernelParams {
   float scale = 1.0f;
   void* workspace = nullptr;  // moe_workspace_bytes(...) bytes
   size_t workspace_bytes = 0;
+  MoeTuning tuning;  // the measured best unless a benchmark or test asks otherwise
 };
 
 size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int num_rows);
 void launch_moe(const MoeKernelParams& p, cudaStream_t stream);
-
-// Process-wide knobs of launch_moe, for benchmarks and tests (the defaults are the measured best).
-// Every setting is deterministic and matches the CPU oracle; pdl and the prefetch do not change a
-// bit, block_m changes the k order of the sums (each output is one CTA's fixed-order reduction).
-struct MoeTuning {
-  bool pdl = true;  // programmatic dependent launch between the kernels
-  int block_m = 0;  // pairs per token block: 8, 16 or 32; 0 = from num_tokens (<= 64: 8, <= 128: 16, else 32)
-  int down_prefetch_bytes = 65536;  // per down CTA, weights prefetched into L2 before its wait; 0 = off
-  // Apply pdl only up to 64 tokens and the prefetch only at 1 token (where they measured faster).
-  bool auto_select = true;
-};
-void set_moe_tuning(const MoeTuning& t);
-MoeTuning moe_tuning();
 
 // Helpers for the per-expert cuBLAS baseline of bench/bench_moe (not used by the engine):
 // acc[token[r], :] += w[r] * y[r, :] for r < n (fp32 atomics), and out = bf16(scale * in).

@@ -26,25 +26,6 @@ const char* allreduce_path_name(AllreducePath path) {
 
 namespace {
 
-int env_tokens(const char* name, int fallback) {
-  const char* v = std::getenv(name);
-  if (!v) return fallback;
-  char* end = nullptr;
-  const long t = std::strtol(v, &end, 10);
-  TPMOE_CHECK(end && *end == '\0' && t >= 0, "{}={}: expected a token count", name, v);
-  return int(t);
-}
-
-AllreducePath env_path() {
-  const char* v = std::getenv("TPMOE_ALLREDUCE");
-  if (!v || std::string(v) == "auto") return AllreducePath::kAuto;
-  const std::string s(v);
-  if (s == "oneshot") return AllreducePath::kOneShot;
-  if (s == "twoshot") return AllreducePath::kTwoShot;
-  if (s == "nccl") return AllreducePath::kNccl;
-  TPMOE_FAIL("TPMOE_ALLREDUCE={}: expected auto, oneshot, twoshot or nccl", s);
-}
-
 const __nv_bfloat16* bf16(const Tensor& t) { return static_cast<const __nv_bfloat16*>(t.data); }
 
 }  // namespace
@@ -56,18 +37,28 @@ AllreduceThresholds AllreduceThresholds::defaults(int nranks, int window_tokens)
   AllreduceThresholds t;
   t.oneshot_max_tokens = nranks <= 2 ? window_tokens : nranks <= 4 ? 64 : 16;
   t.twoshot_max_tokens = window_tokens;
-  t.oneshot_max_tokens = env_tokens("TPMOE_ALLREDUCE_ONESHOT_MAX", t.oneshot_max_tokens);
-  t.twoshot_max_tokens = std::min(window_tokens, env_tokens("TPMOE_ALLREDUCE_TWOSHOT_MAX", t.twoshot_max_tokens));
   return t;
 }
 
-NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int nranks, int rank, int hidden, int window_tokens)
+AllreducePath parse_allreduce_path(const std::string& name) {
+  if (name == "auto") return AllreducePath::kAuto;
+  if (name == "oneshot") return AllreducePath::kOneShot;
+  if (name == "twoshot") return AllreducePath::kTwoShot;
+  if (name == "nccl") return AllreducePath::kNccl;
+  TPMOE_FAIL("all-reduce path '{}': expected auto, oneshot, twoshot or nccl", name);
+}
+
+NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int nranks, int rank, int hidden, const NcclOptions& options)
     : rank_(rank), nranks_(nranks) {
+  const int window_tokens = options.window_tokens;
   TPMOE_CHECK(nranks >= 1 && rank >= 0 && rank < nranks, "NCCL communicator: rank {} of {}", rank, nranks);
   check_nccl_version();
   CUDA_CHECK(cudaGetDevice(&device_));
-  forced_ = env_path();
+  forced_ = options.path;
   thresholds_ = AllreduceThresholds::defaults(nranks, window_tokens);
+  if (options.oneshot_max_tokens >= 0) thresholds_.oneshot_max_tokens = options.oneshot_max_tokens;
+  if (options.twoshot_max_tokens >= 0)
+    thresholds_.twoshot_max_tokens = std::min(window_tokens, options.twoshot_max_tokens);
   NCCL_CHECK(ncclCommInitRank(&comm_, nranks, id, rank));
 
   // The symmetric window and the device communicator. Whether the fused kernels can run is agreed
@@ -134,6 +125,12 @@ void NcclCommunicator::all_reduce_bf16(__nv_bfloat16* data, size_t count) {
 void NcclCommunicator::all_reduce(Tensor data) {
   TPMOE_CHECK(data.dtype == DType::kBF16, "NCCL all_reduce: bf16 activations only, got {}", dtype_name(data.dtype));
   all_reduce_bf16(static_cast<__nv_bfloat16*>(data.data), size_t(data.numel()));
+}
+
+void NcclCommunicator::all_gather(Tensor local, Tensor gathered) {
+  TPMOE_CHECK(gathered.nbytes() == local.nbytes() * size_t(nranks_),
+              "NCCL all_gather: {} bytes for {} ranks of {} bytes", gathered.nbytes(), nranks_, local.nbytes());
+  NCCL_CHECK(ncclAllGather(local.data, gathered.data, local.nbytes(), ncclInt8, comm_, stream_));
 }
 
 AllreducePath NcclCommunicator::choose(int tokens, int hidden) const {

@@ -16,9 +16,8 @@
 // fused kernels need every rank load/store-reachable (one NVLink domain); across hosts, or if the
 // window cannot be made, every size takes the NCCL path (all ranks agree on that at construction).
 //
-// Environment (for measuring thresholds on a multi-GPU host, and for tests):
-//   TPMOE_ALLREDUCE=auto|oneshot|twoshot|nccl  force one path for every size (default auto)
-//   TPMOE_ALLREDUCE_ONESHOT_MAX=T, TPMOE_ALLREDUCE_TWOSHOT_MAX=T  override the thresholds
+// NcclOptions (filled by main from --allreduce-path and friends; for measuring thresholds on a
+// multi-GPU host, and for tests) force one path for every size or override the thresholds.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -28,10 +27,12 @@
 #include <memory>
 #include <vector>
 
+#include <string>
 #include "backends/cuda/allreduce.cuh"
 #include "backends/cuda/norm.cuh"
-#include "engine/rank_checks.h"
+
 #include "model/communicator.h"
+#include "model/rank_checks.h"
 
 namespace tpmoe::cuda {
 
@@ -43,15 +44,24 @@ constexpr int kDefaultWindowTokens = 512;  // the largest decode batch the fused
 struct AllreduceThresholds {
   int oneshot_max_tokens = 0, twoshot_max_tokens = 0;
   // Modelled from the bytes each path moves over NVLink (allreduce.cuh), to be replaced by
-  // measurements of `tpmoe bench-op allreduce --tp N` on a multi-GPU host; the environment overrides.
+  // measurements of `tpmoe bench-op allreduce --tp N` on a multi-GPU host; NcclOptions override.
   static AllreduceThresholds defaults(int nranks, int window_tokens);
+};
+
+// "auto", "oneshot", "twoshot" or "nccl"; throws naming anything else.
+AllreducePath parse_allreduce_path(const std::string& name);
+
+struct NcclOptions {
+  int window_tokens = kDefaultWindowTokens;              // caps the fused kernels' T
+  AllreducePath path = AllreducePath::kAuto;             // one path for every size, or chosen by size
+  int oneshot_max_tokens = -1, twoshot_max_tokens = -1;  // >= 0: override the modelled thresholds
 };
 
 class NcclCommunicator final : public Communicator {
  public:
   // Collective: every rank of the group calls it with the same id, nranks and sizes, each with its
-  // own GPU current. `window_tokens` caps the fused kernels' T.
-  NcclCommunicator(const ncclUniqueId& id, int nranks, int rank, int hidden, int window_tokens = kDefaultWindowTokens);
+  // own GPU current.
+  NcclCommunicator(const ncclUniqueId& id, int nranks, int rank, int hidden, const NcclOptions& options = {});
   ~NcclCommunicator() override;
   NcclCommunicator(const NcclCommunicator&) = delete;
   NcclCommunicator& operator=(const NcclCommunicator&) = delete;
@@ -63,6 +73,7 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream() const { return stream_; }
 
   void all_reduce(Tensor data) override;
+  void all_gather(Tensor local, Tensor gathered) override;
   void allreduce_add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor y) override;
 
   // Raw-pointer forms (bench, tests). p.partial is overwritten with the sum on the NCCL path.

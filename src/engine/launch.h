@@ -6,7 +6,7 @@
 
 #include <cstddef>
 
-namespace tpmoe::cuda {
+namespace tpmoe {
 
 struct MpiWorld {
   int rank = 0, size = 1;
@@ -26,4 +26,4 @@ void mpi_allgather(const void* mine, void* all, size_t bytes);
 // A rank that failed while its peers may be blocked in a collective: print, then end the whole job.
 [[noreturn]] void mpi_abort(const char* message);
 
-}  // namespace tpmoe::cuda
+}  // namespace tpmoe

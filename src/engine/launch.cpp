@@ -1,4 +1,4 @@
-#include "backends/cuda/mpi_launch.h"
+#include "engine/launch.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -9,7 +9,7 @@
 #include <mpi.h>
 #endif
 
-namespace tpmoe::cuda {
+namespace tpmoe {
 
 namespace {
 
@@ -85,4 +85,4 @@ void mpi_abort(const char* message) {
   std::abort();
 }
 
-}  // namespace tpmoe::cuda
+}  // namespace tpmoe

@@ -1,4 +1,4 @@
-#include "engine/rank_checks.h"
+#include "model/rank_checks.h"
 
 #include <nlohmann/json.hpp>
 
