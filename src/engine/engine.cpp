@@ -71,9 +71,8 @@ RankLaunch make_launch(const EngineOptions& o) {
 
 class SpmdEngine final : public Engine {
  public:
-  SpmdEngine(const ModelConfig& config, const EngineOptions& o, const WeightSource& source, bool shared_format_matches,
-             std::vector<std::string> unused)
-      : options_(o), config_(config), unused_(std::move(unused)) {
+  SpmdEngine(const ModelConfig& config, const EngineOptions& o, const WeightSource& source, bool shared_format_matches)
+      : options_(o), config_(config) {
     check_device(o.device);
     launch_ = make_launch(o);
     runner_ = std::make_unique<RankRunner>(launch_.multi_process, launch_.tp > 1 && !launch_.emulated);
@@ -95,6 +94,8 @@ class SpmdEngine final : public Engine {
     }
 #endif
     if (!group_) group_ = cpu::make_rank_group(config_, layout_, plan_, source, launch_, {o.threads});
+    // Only now has every rank read what it needs from the checkpoint.
+    if (source.checkpoint) unused_ = source.checkpoint->unused_tensors();
   }
 
   std::string describe() const override {
@@ -236,8 +237,7 @@ std::unique_ptr<Engine> Engine::from_checkpoint(const std::filesystem::path& dir
   const auto ckpt = io::Checkpoint::open(dir);
   WeightSource source;
   source.checkpoint = &ckpt;
-  return std::make_unique<SpmdEngine>(ckpt.config(), options, source, shared_expert_format_matches(ckpt),
-                                      ckpt.unused_tensors());
+  return std::make_unique<SpmdEngine>(ckpt.config(), options, source, shared_expert_format_matches(ckpt));
 }
 
 std::unique_ptr<Engine> Engine::from_preset(const std::string& preset, std::optional<int> layers, uint64_t seed,
@@ -245,7 +245,7 @@ std::unique_ptr<Engine> Engine::from_preset(const std::string& preset, std::opti
   check_device(options.device);
   WeightSource source;
   source.preset_seed = seed;
-  return std::make_unique<SpmdEngine>(preset_config(preset, layers), options, source, true, std::vector<std::string>{});
+  return std::make_unique<SpmdEngine>(preset_config(preset, layers), options, source, true);
 }
 
 }  // namespace tpmoe
