@@ -58,9 +58,9 @@ TEST_F(BenchTest, EveryRowHasEveryField) {
     EXPECT_TRUE(j.contains(key)) << key;
   ASSERT_EQ(j["rows"].size(), 8u);  // 4 settings x 2 batches
   for (const auto& row : j["rows"]) {
-    for (const char* key :
-         {"setting", "shared_expert_fusion", "allreduce_fusion", "batch", "ttft_ms", "first_step_ms", "tpot_mean_ms",
-          "tpot_p50_ms", "tpot_p99_ms", "timed_steps", "tokens_per_s", "gb_per_step", "floor_ms", "ratio"})
+    for (const char* key : {"setting", "shared_expert_fusion", "allreduce_fusion", "batch", "ttft_ms", "first_step_ms",
+                            "tpot_mean_ms", "tpot_p50_ms", "tpot_p99_ms", "timed_steps", "launches_per_step",
+                            "tokens_per_s", "gb_per_step", "floor_ms", "ratio"})
       EXPECT_TRUE(row.contains(key)) << key << " in " << row.dump();
     EXPECT_EQ(row["timed_steps"].get<int>(), 4);  // 6 new tokens: 5 decode steps, the first not timed
     EXPECT_GT(row["tokens_per_s"].get<double>(), 0);
@@ -92,11 +92,12 @@ TEST_F(BenchTest, PrintedTableMatchesJson) {
   for (size_t i = 0; i < printed.size(); ++i) {
     const auto& w = printed[i];
     const json& row = j["rows"][i];
-    ASSERT_EQ(w.size(), 11u) << text;
+    ASSERT_EQ(w.size(), 12u) << text;
     EXPECT_EQ(w[0], row["setting"].get<std::string>());
     EXPECT_EQ(std::stoi(w[1]), row["batch"].get<int>());
     for (size_t c = 0; c < std::size(columns); ++c)
       expect_printed(w[2 + c], row[columns[c]].get<double>(), fmt::format("row {} {}", i, columns[c]));
+    EXPECT_EQ(std::stoi(w[11]), row["launches_per_step"].get<int>());
   }
 }
 

@@ -56,6 +56,7 @@ struct GenerateResult {
   // [G-1][layer] with record_routing: distinct routed experts decode step i (from 1) chose in each
   // layer, over the real sequences (padding rows excluded); 0 for dense layers.
   std::vector<std::vector<int>> step_routed_experts;
+  int launches_per_step = 0;  // kernel launches of the last decode step (CUDA graphs; 0 on the CPU)
 };
 
 // "cuda" when this build has the CUDA backend and a GPU is visible, "cpu" otherwise: what a run

@@ -180,6 +180,7 @@ BenchReport run_bench(const BenchOptions& o) {
       row.tpot_p50_ms = percentile(tpot, 50) * 1e3;
       row.tpot_p99_ms = percentile(tpot, 99) * 1e3;
       row.timed_steps = int(tpot.size());
+      row.launches_per_step = r.launches_per_step;
       row.tokens_per_s = batch / mean_s;
       // The bytes each timed step had to read: the experts its router actually chose.
       TPMOE_CHECK(r.step_routed_experts.size() == r.step_seconds.size(), "bench: routing of {} steps for {} steps",
@@ -235,15 +236,16 @@ std::string format_bench(const BenchReport& rep) {
   if (rep.full_layers > 0) s += rep.extrapolation + "\n";
 
   const std::string full_col = rep.full_layers > 0 ? fmt::format("tok/s @{}L (extrapolated)", rep.full_layers) : "";
-  s +=
-      fmt::format("{:>7} {:>6} {:>10} {:>9} {:>10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>7}", "setting", "batch", "TTFT ms",
-                  "step1 ms", "TPOT mean", "TPOT p50", "TPOT p99", "tokens/s", "GB/step", "floor ms", "ratio");
+  s += fmt::format("{:>7} {:>6} {:>10} {:>9} {:>10} {:>9} {:>9} {:>11} {:>9} {:>9} {:>7} {:>9}", "setting", "batch",
+                   "TTFT ms", "step1 ms", "TPOT mean", "TPOT p50", "TPOT p99", "tokens/s", "GB/step", "floor ms",
+                   "ratio", "launches");
   if (!full_col.empty()) s += fmt::format(" {:>26}", full_col);
   s += "\n";
   for (const BenchRow& r : rep.rows) {
-    s += fmt::format("{:>7} {:>6} {:>10.2f} {:>9.3f} {:>10.3f} {:>9.3f} {:>9.3f} {:>11.1f} {:>9.3f} {:>9.3f} {:>7.2f}",
-                     r.setting, r.batch, r.ttft_ms, r.first_step_ms, r.tpot_mean_ms, r.tpot_p50_ms, r.tpot_p99_ms,
-                     r.tokens_per_s, r.gb_per_step, r.floor_ms, r.ratio);
+    s += fmt::format(
+        "{:>7} {:>6} {:>10.2f} {:>9.3f} {:>10.3f} {:>9.3f} {:>9.3f} {:>11.1f} {:>9.3f} {:>9.3f} {:>7.2f} {:>9}",
+        r.setting, r.batch, r.ttft_ms, r.first_step_ms, r.tpot_mean_ms, r.tpot_p50_ms, r.tpot_p99_ms, r.tokens_per_s,
+        r.gb_per_step, r.floor_ms, r.ratio, r.launches_per_step);
     if (r.tokens_per_s_full) s += fmt::format(" {:>26.1f}", *r.tokens_per_s_full);
     s += "\n";
   }
@@ -316,6 +318,7 @@ nlohmann::json bench_json(const BenchReport& rep) {
                 {"tpot_p50_ms", r.tpot_p50_ms},
                 {"tpot_p99_ms", r.tpot_p99_ms},
                 {"timed_steps", r.timed_steps},
+                {"launches_per_step", r.launches_per_step},
                 {"tokens_per_s", r.tokens_per_s},
                 {"gb_per_step", r.gb_per_step},
                 {"floor_ms", r.floor_ms},

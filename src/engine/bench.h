@@ -60,6 +60,7 @@ struct BenchRow {
   double first_step_ms = 0;  // the first decode step (records the CUDA graph on cuda)
   double tpot_mean_ms = 0, tpot_p50_ms = 0, tpot_p99_ms = 0;
   int timed_steps = 0;
+  int launches_per_step = 0;  // kernel launches one decode step replays (cuda)
   double tokens_per_s = 0;
   double gb_per_step = 0;  // weight bytes one step reads on a rank (decode_weight_bytes), 1e9
   double floor_ms = 0;

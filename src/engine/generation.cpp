@@ -177,6 +177,7 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
     out->prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
     out->decode_seconds = std::chrono::duration<double>(t2 - t1).count();
     out->step_seconds = std::move(step_seconds);
+    out->launches_per_step = ops.last_step_launches();
   }
 }
 

@@ -93,6 +93,8 @@ class Ops {
   // True when run_step records: the engine then pads decode batches to a few bucket sizes so a
   // handful of recordings serve every batch.
   virtual bool records_steps() const { return false; }
+  // Kernel launches the last run_step replayed (0 where steps are not recorded).
+  virtual int last_step_launches() const { return 0; }
   // Allocates the KV cache; called once before the first step.
   virtual void init_cache(const CacheShape& shape) = 0;
   // Makes `step` the current step (the CPU keeps a pointer, CUDA uploads ids/positions/slots).

@@ -223,11 +223,22 @@ Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
     g.arena_used = arena_used_;
     cudaGraph_t graph;
     CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    // Launches per step: the kernel nodes the recording holds (cuBLASLt's included).
+    size_t nodes = 0;
+    CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+    std::vector<cudaGraphNode_t> all(nodes);
+    if (nodes) CUDA_CHECK(cudaGraphGetNodes(graph, all.data(), &nodes));
+    for (cudaGraphNode_t n : all) {
+      cudaGraphNodeType type;
+      CUDA_CHECK(cudaGraphNodeGetType(n, &type));
+      g.kernels += type == cudaGraphNodeTypeKernel;
+    }
     CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
     it = graphs_.emplace(key, g).first;
   }
   CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
+  last_step_launches_ = it->second.kernels;
   arena_used_ = it->second.arena_used;
   return it->second.output;
 }

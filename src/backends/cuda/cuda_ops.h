@@ -57,6 +57,7 @@ class CudaOps final : public Ops {
   void release(size_t mark) override { arena_used_ = mark; }
   Tensor run_step(int key, const std::function<Tensor()>& body) override;
   bool records_steps() const override { return true; }
+  int last_step_launches() const override { return last_step_launches_; }
   void init_cache(const CacheShape& shape) override;
   void begin_step(const StepTokens& step) override;
 
@@ -132,7 +133,9 @@ class CudaOps final : public Ops {
     cudaGraphExec_t exec = nullptr;
     Tensor output;
     size_t arena_used = 0;  // scratch the recorded step holds; later allocations go after it
+    int kernels = 0;        // kernel launches the recording replays
   };
+  int last_step_launches_ = 0;
   std::map<int, Graph> graphs_;
 };
 
