@@ -50,15 +50,16 @@ void run_emulated(const Case& c, AllreduceAlgo algo) {
     }
     windows.push_back(std::make_unique<DeviceBuffer<char>>(layout.bytes));  // poisoned
     window_ptrs.push_back(windows.back()->get());
+    if (algo == AllreduceAlgo::kPush) cuda::launch_allreduce_window_init(window_ptrs.back(), layout, nullptr);
     partials.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(test::to_bf16(p)));
     residuals.push_back(std::make_unique<DeviceBuffer<float>>(residual0));
     outs.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(n));  // poisoned
   }
   DeviceBuffer<float> w(weight);
 
-  const std::vector<int> phases = algo == AllreduceAlgo::kOneShot
-                                      ? std::vector<int>{cuda::kPhaseCopy, cuda::kPhaseReduce}
-                                      : std::vector<int>{cuda::kPhaseCopy, cuda::kPhaseReduce, cuda::kPhaseGather};
+  const std::vector<int> phases = algo == AllreduceAlgo::kTwoShot
+                                      ? std::vector<int>{cuda::kPhaseCopy, cuda::kPhaseReduce, cuda::kPhaseGather}
+                                      : std::vector<int>{cuda::kPhaseCopy, cuda::kPhaseReduce};
   for (int phase : phases) {
     for (int r = 0; r < N; ++r) {
       cuda::AllreduceNormParams p;
@@ -98,6 +99,10 @@ void run_emulated(const Case& c, AllreduceAlgo algo) {
   }
 }
 
+const char* algo_name(AllreduceAlgo a) {
+  return a == AllreduceAlgo::kOneShot ? "one-shot" : a == AllreduceAlgo::kTwoShot ? "two-shot" : "push";
+}
+
 TEST(CudaAllreduce, EmulatedRanksOneShotAndTwoShot) {
   TPMOE_REQUIRE_GPU();
   // Sizes across the one-shot/two-shot thresholds (16, 64, 512 tokens), rows fewer than ranks,
@@ -109,11 +114,74 @@ TEST(CudaAllreduce, EmulatedRanksOneShotAndTwoShot) {
       for (int H : {6144, 136, 12288, 20480})
         for (AllreduceAlgo algo : {AllreduceAlgo::kOneShot, AllreduceAlgo::kTwoShot}) {
           if (H != 6144 && T > 65) continue;  // the odd widths need no large batches
-          SCOPED_TRACE(testing::Message() << "N=" << N << " T=" << T << " H=" << H << " "
-                                          << (algo == AllreduceAlgo::kOneShot ? "one-shot" : "two-shot"));
+          SCOPED_TRACE(testing::Message() << "N=" << N << " T=" << T << " H=" << H << " " << algo_name(algo));
           run_emulated({N, T, H}, algo);
           if (HasFatalFailure()) return;
         }
+}
+
+TEST(CudaAllreduce, EmulatedRanksPush) {
+  TPMOE_REQUIRE_GPU();
+  for (int N : {2, 4, 8})
+    for (int T : {1, 3, 16, 17, 64})
+      for (int H : {6144, 136, 20480}) {
+        SCOPED_TRACE(testing::Message() << "N=" << N << " T=" << T << " H=" << H << " push");
+        run_emulated({N, T, H}, AllreduceAlgo::kPush);
+        if (HasFatalFailure()) return;
+      }
+}
+
+// The push mailbox over many calls on the same windows, with the batch growing and shrinking: the
+// buffers alternate, every slot read is emptied again, and no call sees a previous call's rows
+// (a stale row would be added twice and break the exact sum).
+TEST(CudaAllreduce, EmulatedPushOverConsecutiveCallsOfChangingSize) {
+  TPMOE_REQUIRE_GPU();
+  const int N = 4, H = 256;
+  const cuda::WindowLayout layout = cuda::WindowLayout::make(64, H);
+  std::vector<std::unique_ptr<DeviceBuffer<char>>> windows;
+  std::vector<void*> ptrs;
+  for (int r = 0; r < N; ++r) {
+    windows.push_back(std::make_unique<DeviceBuffer<char>>(layout.bytes));
+    ptrs.push_back(windows.back()->get());
+    cuda::launch_allreduce_window_init(ptrs.back(), layout, nullptr);
+  }
+  DeviceBuffer<float> w(std::vector<float>(size_t(H), 0.f));
+  int call = 0;
+  for (int T : {5, 64, 1, 17, 64, 3, 2, 40, 64, 1, 9}) {
+    SCOPED_TRACE(testing::Message() << "call " << call << " T=" << T);
+    const size_t n = size_t(T) * H;
+    std::vector<std::unique_ptr<DeviceBuffer<__nv_bfloat16>>> partials, outs;
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> residuals;
+    std::vector<float> want(n, 0.f);
+    for (int r = 0; r < N; ++r) {
+      std::vector<float> p(n);
+      for (size_t i = 0; i < n; ++i) {
+        p[i] = rank_value(r, i + size_t(call) * 5);
+        want[i] += p[i];  // exact: multiples of 1/64, at most 8 of them
+      }
+      partials.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(test::to_bf16(p)));
+      residuals.push_back(std::make_unique<DeviceBuffer<float>>(std::vector<float>(n, 0.f)));
+      outs.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(n));
+    }
+    for (int phase : {cuda::kPhaseCopy, cuda::kPhaseReduce})
+      for (int r = 0; r < N; ++r) {
+        cuda::AllreduceNormParams p;
+        p.partial = partials[r]->get();
+        p.residual = residuals[r]->get();
+        p.weight = w.get();
+        p.out = outs[r]->get();
+        p.rows = T;
+        p.hidden = H;
+        p.rank = r;
+        p.nranks = N;
+        p.window = layout;
+        cuda::launch_allreduce_norm_emulated(p, AllreduceAlgo::kPush, phase, ptrs.data(), nullptr);
+      }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    for (int r = 0; r < N; ++r)
+      ASSERT_EQ(std::memcmp(residuals[r]->download().data(), want.data(), n * sizeof(float)), 0) << "rank " << r;
+    ++call;
+  }
 }
 
 TEST(CudaAllreduce, RejectsWhatTheKernelsDoNotTake) {
@@ -173,8 +241,8 @@ TEST(CudaAllreduce, NcclCommunicatorAtTp1MatchesAddRmsnorm) {
       cuda::launch_add_rmsnorm({ref_partial.get(), ref_res.get(), w.get(), ref_y.get(), T, H, 1e-6f}, stream);
       const auto want_res = ref_res.download();
       const auto want_y = ref_y.download();
-      for (auto path : {cuda::AllreducePath::kAuto, cuda::AllreducePath::kOneShot, cuda::AllreducePath::kTwoShot,
-                        cuda::AllreducePath::kNccl}) {
+      for (auto path : {cuda::AllreducePath::kAuto, cuda::AllreducePath::kPush, cuda::AllreducePath::kOneShot,
+                        cuda::AllreducePath::kTwoShot, cuda::AllreducePath::kNccl}) {
         for (bool graph : {false, true}) {
           SCOPED_TRACE(testing::Message() << "H=" << H << " T=" << T << " " << cuda::allreduce_path_name(path)
                                           << (graph ? " (graph)" : ""));
@@ -221,7 +289,8 @@ TEST(CudaAllreduce, PathChoiceBySize) {
   cuda::NcclCommunicator comm(id, 1, 0, 6144, {.window_tokens = 512});
   ASSERT_TRUE(comm.fused_available());
   const auto& t = comm.thresholds();
-  EXPECT_EQ(comm.choose(1, 6144), cuda::AllreducePath::kOneShot);
+  EXPECT_EQ(comm.choose(1, 6144), cuda::AllreducePath::kPush);
+  EXPECT_EQ(comm.choose(t.push_max_tokens + 1, 6144), cuda::AllreducePath::kOneShot);
   EXPECT_EQ(comm.choose(t.twoshot_max_tokens + 1, 6144), cuda::AllreducePath::kNccl);  // beyond the window
   EXPECT_EQ(comm.choose(4, 6100), cuda::AllreducePath::kNccl);                         // another width
   // Modelled defaults for N ranks (replaced by measured ones once multi-GPU hosts run the bench).

@@ -118,8 +118,9 @@ float rank_value(int rank, size_t i, int iter) {
   return float(int((i * 7 + size_t(rank) * 13 + iter) % 31) - 15) / 64.f;
 }
 
-// The fused one-shot kernel with two real ranks, thousands of times, with rank-dependent delays
-// between calls so the ranks arrive at the barrier in every order; every output element checked.
+// The fused kernels (push, one-shot) with two real ranks, thousands of times, with rank-dependent
+// delays between calls so the ranks arrive in every order (and the push mailboxes are written
+// while a peer is still reading the other buffer); every output element checked exactly.
 TEST(CudaMultiGpu, FusedAllreduceStressWithRankDependentDelays) {
   TPMOE_REQUIRE_GPUS(2);
   constexpr int kRanks = 2, kIters = 3000, H = 6144;
@@ -146,7 +147,7 @@ TEST(CudaMultiGpu, FusedAllreduceStressWithRankDependentDelays) {
       test::DeviceBuffer<__nv_bfloat16> d_out(n);
       cuda::AddRmsNormParams prm{d_partial.get(), d_residual.get(), d_weight.get(), d_out.get(), T, H, 1e-6f};
       if ((iter + rank) % 7 == 0) std::this_thread::sleep_for(std::chrono::microseconds(50 * (rank + 1)));
-      comm.allreduce_add_rmsnorm(prm, cuda::AllreducePath::kOneShot);
+      comm.allreduce_add_rmsnorm(prm, iter % 3 == 2 ? cuda::AllreducePath::kOneShot : cuda::AllreducePath::kPush);
       CUDA_CHECK(cudaStreamSynchronize(stream));
       const std::vector<float> got = d_residual.download();
       for (size_t i = 0; i < n; ++i)

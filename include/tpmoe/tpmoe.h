@@ -22,7 +22,7 @@ struct EngineOptions {
   int threads = 0;                   // CPU threads in all (0: every core)
   // Diagnostics and measurement knobs (filled by main from flags; the library reads no environment).
   bool profile_ops = false;             // cuda: GPU time per op, printed at the end (steps run eagerly)
-  std::string allreduce_path = "auto";  // cuda, tp > 1: auto, oneshot, twoshot or nccl for every size
+  std::string allreduce_path = "auto";  // cuda, tp > 1: auto, push, oneshot, twoshot or nccl for every size
   bool nccl_at_tp1 = false;             // cuda: tp 1 through the NCCL communicator (tests)
   // > 0: run only rank 0 of a tp-`emulate_tp` group on one device (its shard and fusion plan; the
   // collectives replaced by a local stand-in), to measure a rank of a deployment larger than the

@@ -72,7 +72,7 @@ struct ModelFlags {
                     "local stand-in): one rank's step time of a deployment larger than this machine")
         ->check(CLI::PositiveNumber);
     app->add_option("--allreduce-path", allreduce_path, "cuda, tp > 1: force one all-reduce path for every size")
-        ->check(CLI::IsMember({"auto", "oneshot", "twoshot", "nccl"}));
+        ->check(CLI::IsMember({"auto", "push", "oneshot", "twoshot", "nccl"}));
   }
   std::string resolved_device() const { return device.empty() ? default_device() : device; }
   EngineOptions options() const {

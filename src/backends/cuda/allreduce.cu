@@ -199,9 +199,123 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(AllreduceNormParam
   }
 }
 
+// ---- push (see allreduce.cuh) -------------------------------------------------------------------
+
+constexpr uint32_t kEmptyHalf = 0x8000u;  // bf16 -0.0: a mailbox element not yet written
+
+__device__ __forceinline__ uint4 load_volatile(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void store_volatile(uint4* p, const uint4& v) {
+  asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ bool word_has_empty(uint32_t w) {
+  return (w & 0xffffu) == kEmptyHalf || (w >> 16) == kEmptyHalf;
+}
+__device__ __forceinline__ bool has_empty(const uint4& v) {
+  return word_has_empty(v.x) || word_has_empty(v.y) || word_has_empty(v.z) || word_has_empty(v.w);
+}
+// -0.0 -> +0.0 in each half: a sent element can never look empty.
+__device__ __forceinline__ uint32_t word_no_neg_zero(uint32_t w) {
+  if ((w & 0xffffu) == kEmptyHalf) w &= 0xffff0000u;
+  if ((w >> 16) == kEmptyHalf) w &= 0x0000ffffu;
+  return w;
+}
+
+// Chunk c (16 bytes) of `row` in the mailbox slot [buffer][source] of the window at `base`.
+__device__ __forceinline__ uint4* mailbox_chunk(char* base, const AllreduceNormParams& p, int buffer, int source,
+                                                int64_t row, int c) {
+  const int64_t slot = (int64_t(buffer) * kMaxRanks + source) * p.window.push_rows + row;
+  return reinterpret_cast<uint4*>(base + p.window.mailbox_offset) + slot * (p.hidden / 8) + c;
+}
+
+// residual chunk + rank-order sum of the mailbox rows, waiting for each to arrive and emptying it
+// after reading: the same arithmetic as LoadSum, so the result equals the one-shot's bit for bit.
+template <class Peers>
+struct LoadMailbox {
+  const Peers& peers;
+  const AllreduceNormParams& p;
+  int64_t row;
+  int buffer;
+  __device__ void operator()(int c, float (&v)[8]) const {
+    char* mine = peers.peer(p.rank);
+    float s[8];
+    for (int r = 0; r < p.nranks; ++r) {
+      uint4* slot = mailbox_chunk(mine, p, buffer, r, row, c);
+      uint4 x = load_volatile(slot);
+      while (has_empty(x)) x = load_volatile(slot);
+      store_volatile(slot, make_uint4(kEmptyHalf | (kEmptyHalf << 16), kEmptyHalf | (kEmptyHalf << 16),
+                                      kEmptyHalf | (kEmptyHalf << 16), kEmptyHalf | (kEmptyHalf << 16)));
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&x);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 t = __bfloat1622float2(h[j]);
+        if (r == 0) {
+          s[2 * j] = t.x;
+          s[2 * j + 1] = t.y;
+        } else {
+          s[2 * j] += t.x;
+          s[2 * j + 1] += t.y;
+        }
+      }
+    }
+    const float4* res4 = reinterpret_cast<const float4*>(p.residual + row * p.hidden);
+    const float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
+    v[0] = r0.x + s[0], v[1] = r0.y + s[1], v[2] = r0.z + s[2], v[3] = r0.w + s[3];
+    v[4] = r1.x + s[4], v[5] = r1.y + s[5], v[6] = r1.z + s[6], v[7] = r1.w + s[7];
+  }
+};
+
+template <int kChunks, class Peers>
+__global__ void __launch_bounds__(kMaxThreads) push_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  uint32_t* control = reinterpret_cast<uint32_t*>(peers.peer(p.rank) + p.window.control_offset);
+  // Every CTA reads the call counter before it arrives below; only the last to arrive advances it.
+  const int buffer = int(*reinterpret_cast<volatile uint32_t*>(control) & 1u);
+  const int nvec = p.hidden / 8;
+  if (phases & kPhaseCopy) {
+    for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) {
+      const uint4* src = reinterpret_cast<const uint4*>(p.partial) + row * nvec;
+      for (int c = threadIdx.x; c < nvec; c += blockDim.x) {
+        uint4 v = src[c];
+        v = make_uint4(word_no_neg_zero(v.x), word_no_neg_zero(v.y), word_no_neg_zero(v.z), word_no_neg_zero(v.w));
+        for (int q = 0; q < p.nranks; ++q) store_volatile(mailbox_chunk(peers.peer(q), p, buffer, p.rank, row, c), v);
+      }
+    }
+  }
+  if (phases & kPhaseReduce) {
+    for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x)
+      norm_row<kChunks>(p, row, LoadMailbox<Peers>{peers, p, row, buffer}, nullptr);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      if (atomicAdd(control + 1, 1u) == gridDim.x - 1) {  // the launch's last CTA: next call, next buffer
+        control[1] = 0;
+        __threadfence();
+        atomicAdd(control, 1u);
+      }
+    }
+  }
+}
+
+__global__ void window_init_kernel(char* window, WindowLayout layout) {
+  const size_t words = (layout.control_offset - layout.mailbox_offset) / 4;
+  uint32_t* mailbox = reinterpret_cast<uint32_t*>(window + layout.mailbox_offset);
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < words; i += size_t(gridDim.x) * blockDim.x)
+    mailbox[i] = kEmptyHalf | (kEmptyHalf << 16);
+  if (blockIdx.x == 0 && threadIdx.x < 64) reinterpret_cast<uint32_t*>(window + layout.control_offset)[threadIdx.x] = 0;
+}
+
 // Depends only on (algo, rows, nranks): the same grid on every rank.
 int grid_size(AllreduceAlgo algo, int rows, int nranks) {
-  const int rows_per_cta = algo == AllreduceAlgo::kOneShot ? rows : (rows + nranks - 1) / nranks;
+  const int rows_per_cta = algo == AllreduceAlgo::kTwoShot ? (rows + nranks - 1) / nranks : rows;
   return std::max(1, std::min(rows_per_cta, kMaxAllreduceBlocks));
 }
 
@@ -215,13 +329,17 @@ void launch_chunks(const AllreduceNormParams& p, AllreduceAlgo algo, int phases,
                    int threads, cudaStream_t stream) {
   if (algo == AllreduceAlgo::kOneShot)
     oneshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
-  else
+  else if (algo == AllreduceAlgo::kTwoShot)
     twoshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
+  else
+    push_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
 }
 
 template <class Peers>
 void launch(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, const Peers& peers, cudaStream_t stream) {
   check_arg(allreduce_fused_supported(p), "allreduce_add_rmsnorm: sizes or pointers the fused kernels do not take");
+  check_arg(algo != AllreduceAlgo::kPush || allreduce_push_supported(p),
+            "allreduce_add_rmsnorm: more rows than the push mailbox holds");
   const int grid = grid_size(algo, p.rows, p.nranks), threads = block_size(p.hidden);
   const int chunks = (p.hidden / 8 + threads - 1) / threads;
   switch (chunks) {
@@ -241,6 +359,16 @@ bool allreduce_fused_supported(const AllreduceNormParams& p) {
          p.rows <= p.window.max_rows && p.hidden == p.window.hidden && p.nranks >= 1 && p.nranks <= kMaxRanks &&
          p.rank >= 0 && p.rank < p.nranks && p.partial && p.residual && p.weight && p.out && aligned16(p.partial) &&
          aligned16(p.residual) && aligned16(p.weight) && aligned16(p.out);
+}
+
+bool allreduce_push_supported(const AllreduceNormParams& p) {
+  return allreduce_fused_supported(p) && p.rows <= p.window.push_rows;
+}
+
+void launch_allreduce_window_init(void* window, const WindowLayout& layout, cudaStream_t stream) {
+  check_arg(window != nullptr && aligned16(window), "allreduce window init: a 16-byte aligned window");
+  window_init_kernel<<<256, 256, 0, stream>>>(static_cast<char*>(window), layout);
+  CUDA_CHECK_LAUNCH();
 }
 
 void launch_allreduce_norm_emulated(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, void* const* windows,

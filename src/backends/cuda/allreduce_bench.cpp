@@ -36,7 +36,7 @@ constexpr int kIters = 20, kWarmup = 3, kReps = 15;
 struct Row {
   int tokens = 0;
   AllreducePath chosen = AllreducePath::kNccl;
-  double oneshot_us = 0, twoshot_us = 0, nccl_norm_us = 0, nccl_us = 0;
+  double push_us = 0, oneshot_us = 0, twoshot_us = 0, nccl_norm_us = 0, nccl_us = 0;
 };
 
 // Median microseconds of one call of `op`, recorded kIters times into a graph.
@@ -101,6 +101,8 @@ std::vector<Row> bench_rank(const ncclUniqueId& id, int tp, int rank) {
     row.tokens = T;
     row.chosen = comm.choose(T, kHidden);
     if (comm.fused_available()) {
+      if (T <= comm.window_push_rows())
+        row.push_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, AllreducePath::kPush); });
       row.oneshot_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, AllreducePath::kOneShot); });
       row.twoshot_us = time_graph(stream, [&] { comm.allreduce_add_rmsnorm(p, AllreducePath::kTwoShot); });
     }
@@ -144,12 +146,13 @@ void run_allreduce_bench(const RankLaunch& launch) {
       "all-reduce + residual + RMSNorm, hidden {}, bf16 partials, tp {} ({}), median of {} graph replays x {} "
       "calls, microseconds per call (rank 0)\n",
       kHidden, ranks, prop.name, kReps, kIters);
-  fmt::print("{:>6} {:>9} {:>10} {:>10} {:>10} {:>11} {:>9}\n", "tokens", "MB/rank", "auto", "one-shot", "two-shot",
-             "nccl+norm", "nccl");
+  fmt::print("{:>6} {:>9} {:>10} {:>8} {:>10} {:>10} {:>11} {:>9}\n", "tokens", "MB/rank", "auto", "push", "one-shot",
+             "two-shot", "nccl+norm", "nccl");
   for (const Row& r : rows) {
     auto us = [](double v) { return v > 0 ? fmt::format("{:.2f}", v) : std::string("-"); };
-    fmt::print("{:>6} {:>9.3f} {:>10} {:>10} {:>10} {:>11} {:>9}\n", r.tokens, double(r.tokens) * kHidden * 2 / 1e6,
-               allreduce_path_name(r.chosen), us(r.oneshot_us), us(r.twoshot_us), us(r.nccl_norm_us), us(r.nccl_us));
+    fmt::print("{:>6} {:>9.3f} {:>10} {:>8} {:>10} {:>10} {:>11} {:>9}\n", r.tokens,
+               double(r.tokens) * kHidden * 2 / 1e6, allreduce_path_name(r.chosen), us(r.push_us), us(r.oneshot_us),
+               us(r.twoshot_us), us(r.nccl_norm_us), us(r.nccl_us));
   }
   std::fflush(stdout);
 }

@@ -1,6 +1,7 @@
 #include "backends/cuda/nccl_comm.h"
 
 // nccl_device.h needs size_t and the CUDA runtime types before it.
+#include <algorithm>
 #include <cstddef>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +18,7 @@ namespace tpmoe::cuda {
 const char* allreduce_path_name(AllreducePath path) {
   switch (path) {
     case AllreducePath::kAuto: return "auto";
+    case AllreducePath::kPush: return "push";
     case AllreducePath::kOneShot: return "one-shot";
     case AllreducePath::kTwoShot: return "two-shot";
     case AllreducePath::kNccl: return "nccl+norm";
@@ -35,6 +37,9 @@ AllreduceThresholds AllreduceThresholds::defaults(int nranks, int window_tokens)
   // two-shot pays one more barrier. So one-shot wins at N = 2 for every size, and two-shot takes
   // over at a few tens of rows for N >= 4.
   AllreduceThresholds t;
+  // Push: no barrier round trip at all, so it should win where latency rules (a few rows); the
+  // crossover to one-shot is a guess until `bench-op allreduce --tp N` measures it.
+  t.push_max_tokens = std::min(16, std::min(window_tokens, kPushMaxRows));
   t.oneshot_max_tokens = nranks <= 2 ? window_tokens : nranks <= 4 ? 64 : 16;
   t.twoshot_max_tokens = window_tokens;
   return t;
@@ -42,6 +47,7 @@ AllreduceThresholds AllreduceThresholds::defaults(int nranks, int window_tokens)
 
 AllreducePath parse_allreduce_path(const std::string& name) {
   if (name == "auto") return AllreducePath::kAuto;
+  if (name == "push") return AllreducePath::kPush;
   if (name == "oneshot") return AllreducePath::kOneShot;
   if (name == "twoshot") return AllreducePath::kTwoShot;
   if (name == "nccl") return AllreducePath::kNccl;
@@ -56,6 +62,8 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int nranks, int rank,
   CUDA_CHECK(cudaGetDevice(&device_));
   forced_ = options.path;
   thresholds_ = AllreduceThresholds::defaults(nranks, window_tokens);
+  if (options.push_max_tokens >= 0)
+    thresholds_.push_max_tokens = std::min({options.push_max_tokens, window_tokens, kPushMaxRows});
   if (options.oneshot_max_tokens >= 0) thresholds_.oneshot_max_tokens = options.oneshot_max_tokens;
   if (options.twoshot_max_tokens >= 0)
     thresholds_.twoshot_max_tokens = std::min(window_tokens, options.twoshot_max_tokens);
@@ -90,6 +98,10 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int nranks, int rank,
       dev_comm_.reset();
       why = fmt::format("ncclDevCommCreate: {} ({})", ncclGetErrorString(r), ncclGetLastError(comm_));
     }
+  }
+  if (ok) {  // the push mailbox starts empty on every rank before the collective below lets any peer push
+    launch_allreduce_window_init(window_memory_, layout_, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
   }
   int* flag = nullptr;
   cudaStream_t s = nullptr;
@@ -137,6 +149,7 @@ AllreducePath NcclCommunicator::choose(int tokens, int hidden) const {
   const bool fits = fused_ && hidden == layout_.hidden && tokens <= layout_.max_rows;
   if (forced_ != AllreducePath::kAuto) return fits || forced_ == AllreducePath::kNccl ? forced_ : AllreducePath::kNccl;
   if (!fits) return AllreducePath::kNccl;
+  if (tokens <= thresholds_.push_max_tokens) return AllreducePath::kPush;
   if (tokens <= thresholds_.oneshot_max_tokens) return AllreducePath::kOneShot;
   if (tokens <= thresholds_.twoshot_max_tokens) return AllreducePath::kTwoShot;
   return AllreducePath::kNccl;
@@ -157,14 +170,17 @@ void NcclCommunicator::allreduce_add_rmsnorm(const AddRmsNormParams& p, Allreduc
   f.window = layout_;
   // Alignment is a property of the arena, the same on every rank: the fallback stays consistent.
   if (path != AllreducePath::kNccl && !(fused_ && allreduce_fused_supported(f))) path = AllreducePath::kNccl;
+  if (path == AllreducePath::kPush && !allreduce_push_supported(f)) path = AllreducePath::kOneShot;
   if (path == AllreducePath::kNccl) {
     auto* partial = const_cast<__nv_bfloat16*>(p.partial);
     all_reduce_bf16(partial, size_t(p.rows) * size_t(p.hidden));
     launch_add_rmsnorm(p, stream_);
     return;
   }
-  launch_allreduce_norm_nccl(f, path == AllreducePath::kOneShot ? AllreduceAlgo::kOneShot : AllreduceAlgo::kTwoShot,
-                             window_, *dev_comm_, stream_);
+  const AllreduceAlgo algo = path == AllreducePath::kPush      ? AllreduceAlgo::kPush
+                             : path == AllreducePath::kOneShot ? AllreduceAlgo::kOneShot
+                                                               : AllreduceAlgo::kTwoShot;
+  launch_allreduce_norm_nccl(f, algo, window_, *dev_comm_, stream_);
 }
 
 void NcclCommunicator::allreduce_add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor y) {

@@ -5,6 +5,7 @@
 // all_reduce: ncclAllReduce (bf16 sum) in place on the stream.
 // allreduce_add_rmsnorm: by step size T (the same T on every rank, so every rank takes the same
 // path and launches the same grid):
+//   T <= push_max_tokens      push kernel: rows stored into the peers' mailboxes, no barrier
 //   T <= oneshot_max_tokens   one-shot fused kernel on the symmetric window (allreduce.cuh)
 //   T <= twoshot_max_tokens   two-shot fused kernel (reduce-scatter by rows, norm, all-gather)
 //   larger                    ncclAllReduce in place on the partial, then launch_add_rmsnorm
@@ -36,25 +37,26 @@
 
 namespace tpmoe::cuda {
 
-enum class AllreducePath { kAuto, kOneShot, kTwoShot, kNccl };
+enum class AllreducePath { kAuto, kPush, kOneShot, kTwoShot, kNccl };
 const char* allreduce_path_name(AllreducePath path);
 
 constexpr int kDefaultWindowTokens = 512;  // the largest decode batch the fused kernels serve
 
 struct AllreduceThresholds {
-  int oneshot_max_tokens = 0, twoshot_max_tokens = 0;
+  int push_max_tokens = 0, oneshot_max_tokens = 0, twoshot_max_tokens = 0;
   // Modelled from the bytes each path moves over NVLink (allreduce.cuh), to be replaced by
   // measurements of `tpmoe bench-op allreduce --tp N` on a multi-GPU host; NcclOptions override.
   static AllreduceThresholds defaults(int nranks, int window_tokens);
 };
 
-// "auto", "oneshot", "twoshot" or "nccl"; throws naming anything else.
+// "auto", "push", "oneshot", "twoshot" or "nccl"; throws naming anything else.
 AllreducePath parse_allreduce_path(const std::string& name);
 
 struct NcclOptions {
-  int window_tokens = kDefaultWindowTokens;              // caps the fused kernels' T
-  AllreducePath path = AllreducePath::kAuto;             // one path for every size, or chosen by size
-  int oneshot_max_tokens = -1, twoshot_max_tokens = -1;  // >= 0: override the modelled thresholds
+  int window_tokens = kDefaultWindowTokens;   // caps the fused kernels' T
+  AllreducePath path = AllreducePath::kAuto;  // one path for every size, or chosen by size
+  // >= 0: override the modelled thresholds
+  int push_max_tokens = -1, oneshot_max_tokens = -1, twoshot_max_tokens = -1;
 };
 
 class NcclCommunicator final : public Communicator {
@@ -87,6 +89,7 @@ class NcclCommunicator final : public Communicator {
   bool fused_available() const { return fused_; }
   const AllreduceThresholds& thresholds() const { return thresholds_; }
   size_t window_bytes() const { return layout_.bytes; }
+  int window_push_rows() const { return fused_ ? layout_.push_rows : 0; }
 
  private:
   int rank_, nranks_, device_ = 0;
