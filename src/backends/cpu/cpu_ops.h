@@ -33,6 +33,7 @@ class CpuOps final : public Ops {
                    float scale, Tensor out) override;
   void gather_logit_rows(Tensor x, Tensor out) override;
   void argmax(Tensor logits, Tensor ids) override;
+  void sample(Tensor logits, const SampleBatch& batch, Tensor ids) override;  // in cpu_sampling.cpp
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 

@@ -64,6 +64,8 @@ class CudaOps final : public Ops {
                    float scale, Tensor out) override;
   void gather_logit_rows(Tensor x, Tensor out) override;
   void argmax(Tensor logits, Tensor ids) override;
+  void sample(Tensor logits, const SampleBatch& batch,
+              Tensor ids) override;  // in sampling.cu's launcher; buffers grow on demand
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
@@ -111,6 +113,16 @@ class CudaOps final : public Ops {
   };
   std::vector<PendingTime> pending_times_;
   std::map<std::string, std::pair<double, int>> op_times_;  // name -> (ms, calls)
+
+  // sample(): the rows' args and penalty entries, uploaded per call through pinned memory, and the
+  // kernels' workspace. Grown on demand (sample() never runs inside a recorded step).
+  void* sample_device_ = nullptr;
+  size_t sample_device_bytes_ = 0;
+  std::byte* sample_pinned_ = nullptr;
+  size_t sample_pinned_bytes_ = 0;
+  void* sample_workspace_ = nullptr;
+  size_t sample_workspace_bytes_ = 0;
+  cudaEvent_t sample_uploaded_ = nullptr;  // the last upload has left the pinned buffer
 
   struct Graph {
     cudaGraphExec_t exec = nullptr;
