@@ -139,18 +139,31 @@ struct ChiSquare {
   int impossible = 0;  // samples of a token whose probability is 0
 };
 
+// Pearson's statistic; tokens expected fewer than 5 times share one pooled bin (the chi-square
+// approximation needs expected counts of about 5 or more).
 ChiSquare chi_square(const std::vector<int>& counts, const std::vector<double>& probs, int n) {
   ChiSquare c;
+  double pooled_e = 0, pooled_o = 0;
+  int bins = 0;
   for (size_t i = 0; i < probs.size(); ++i) {
     if (probs[i] <= 0) {
       c.impossible += counts[i];
       continue;
     }
     const double e = n * probs[i];
+    if (e < 5) {
+      pooled_e += e;
+      pooled_o += counts[i];
+      continue;
+    }
     c.stat += (counts[i] - e) * (counts[i] - e) / e;
-    ++c.df;
+    ++bins;
   }
-  c.df = std::max(1, c.df - 1);
+  if (pooled_e > 0) {
+    c.stat += (pooled_o - pooled_e) * (pooled_o - pooled_e) / pooled_e;
+    ++bins;
+  }
+  c.df = std::max(1, bins - 1);
   return c;
 }
 
@@ -573,7 +586,8 @@ TEST(StopMatcher, OverlappingAndMultipleStops) {
   {
     // One stop a prefix of another: the shorter completes first.
     StopMatcher m({"abcd", "ab"});
-    EXPECT_EQ(feed_all(m, {"xa", "bcd"}), "x");
+    EXPECT_EQ(feed_all(m, {"xa", "b", "cd"}), "x");
+    EXPECT_EQ(m.matched(), 1);
   }
   {
     // A candidate for one stop string ends, another completes later.

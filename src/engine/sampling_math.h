@@ -206,8 +206,9 @@ TPMOE_HD bool better(float v, int32_t i, float best_v, int32_t best_i) {
   return i < best_i;
 }
 
-// Top-p weight of a candidate (d = score - max in [kCandidateCut, 0]).
-TPMOE_HD uint64_t top_p_weight(float d) { return uint64_t(mul_rn(exp_nonpositive(d), kWeightScale)); }
+// Top-p weight of a candidate from e = exp_nonpositive(score - max), score - max in [kCandidateCut, 0].
+TPMOE_HD uint64_t weight_from_exp(float e) { return uint64_t(mul_rn(e, kWeightScale)); }
+TPMOE_HD uint64_t top_p_weight(float d) { return weight_from_exp(exp_nonpositive(d)); }
 
 // Top-p keeps the tokens above a threshold key t: the largest t with W(key >= t) >= this target,
 // where W sums the weights of what top-k kept and total is that sum. ceil(top_p * total): for an

@@ -6,22 +6,25 @@
 //                 / temperature) and the chunk's argmax. Reads R*V*4 bytes.
 //   2 collect     same grid: the row's maximum m from the chunk winners, then the candidates
 //                 (score - m >= kCandidateCut; nothing else can win the Gumbel race) appended to
-//                 the row's list, one atomic per block. Reads R*V*4 again (from L2), writes 8 bytes
-//                 per candidate. Greedy rows skip it.
+//                 the row's list with their Gumbel-perturbed score and exp(score - m), one atomic
+//                 per block. Reads R*V*4 again (from L2), writes 16 bytes per candidate; the
+//                 Philox/log/exp work is spread over the whole grid here. Greedy rows skip it.
 //   3 draw        one block of 1024 threads per row, over its n candidates only: top-k and top-p
 //                 thresholds by radix selection on the scores' order keys (3 digit levels of 11, 11
 //                 and 10 bits; a level builds a shared histogram, counts for top-k and 64-bit
 //                 fixed-point exp weights for top-p, warp-aggregated with __match_any_sync, and a
 //                 block suffix scan finds the digit where the mass from the top reaches the
-//                 target), a sum pass for top-p's total, then the Gumbel-max pass. Greedy rows
-//                 and rows without a finite maximum write the argmax and stop.
-// Passes over the candidates: 1 (temperature only), +3 (top-k), +4 (top-p). Expected time at
-// V = 200064 on an H100/H200: kernels 1-2 ~3-5 us each for a decode batch (latency bound, the row
-// is L2-resident); kernel 3 ~1-3 us per row when the row is peaked (an LM's logits: hundreds to a
-// few thousand candidates), up to ~10 us per pass for a flat row where all 200064 tokens are
-// candidates (random-normal test logits), so ~80 us for top-k + top-p on such rows; rows run in
-// parallel blocks. The result is bitwise the CPU op's: every value comes from sampling_math.h, the
-// thresholds are order keys and exact integer sums, the argmax order is total.
+//                 target), a sum pass for top-p's total, then the argmax of the perturbed scores
+//                 over the kept candidates. Greedy rows and rows without a finite maximum write the
+//                 argmax and stop.
+// Passes of kernel 3 over the candidates: 1 (temperature only), +3 (top-k), +4 (top-p); each
+// reads 16 bytes per candidate from L2. Expected at V = 200064 on an H200 (to be confirmed by
+// test_cuda_sampling's timing table): kernels 1-2 a few us each for a decode batch (latency
+// bound); kernel 3 a few us for an LM-like row (hundreds to a few thousand candidates), ~10 us per
+// pass for a flat row where all 200064 tokens are candidates, so up to ~100 us for top-k + top-p
+// on such rows (one SM per row: a thread-block cluster per row would be the next step). The
+// result is bitwise the CPU op's: every value comes from sampling_math.h, the thresholds are order
+// keys and exact integer sums, the argmax order is total.
 #include "backends/cuda/sampling.cuh"
 
 #include <cstdint>
@@ -47,15 +50,19 @@ struct Best {
   int32_t index;
 };
 
+// Everything the draw needs about a candidate, computed by the many blocks of kernel 2 so the one
+// block per row of kernel 3 only compares and counts.
 struct Candidate {
   int32_t index;
-  float score;
+  float score;      // penalised / temperature
+  float perturbed;  // score + Gumbel noise
+  float e;          // exp(score - max): the top-p weight is floor(e * 2^32)
 };
 
 struct Workspace {
   Best* chunk_best;     // [rows][chunks]
   int32_t* cand_count;  // [rows]
-  Candidate* cand;      // [rows][vocab]
+  Candidate* cand;      // [rows][vocab]: the row's first cand_count[row] entries
 };
 
 int num_chunks(int vocab) { return (vocab + kChunk - 1) / kChunk; }
@@ -247,6 +254,7 @@ __global__ void __launch_bounds__(kChunkThreads) collect_kernel(SampleKernelPara
   }
   if (lane == kWarp - 1) warp_offsets[warp] = incl;
   __syncthreads();
+  Candidate* out = w.cand + int64_t(r) * p.vocab;
   if (threadIdx.x == 0) {
     int total = 0;
     for (int v = 0; v < kChunkThreads / kWarp; ++v) {
@@ -258,10 +266,12 @@ __global__ void __launch_bounds__(kChunkThreads) collect_kernel(SampleKernelPara
   }
   __syncthreads();
   int pos = block_base + warp_offsets[warp] + incl - n;
-  Candidate* out = w.cand + int64_t(r) * p.vocab;
 #pragma unroll
-  for (int k = 0; k < kPerThread; ++k)
-    if (mask >> k & 1u) out[pos++] = Candidate{c0 + int(threadIdx.x) + k * kChunkThreads, s[k]};
+  for (int k = 0; k < kPerThread; ++k) {
+    if (!(mask >> k & 1u)) continue;
+    const int i = c0 + int(threadIdx.x) + k * kChunkThreads;
+    out[pos++] = Candidate{i, s[k], add_rn(s[k], gumbel_noise(a, uint32_t(i))), exp_nonpositive(sub_rn(s[k], m))};
+  }
 }
 
 // ---- kernel 3: thresholds and the draw ----------------------------------------------------------
@@ -278,7 +288,7 @@ struct RadixShared {
 // after each level: keys with the chosen prefix hold the threshold; `above` = W of larger prefixes.
 template <bool kWeighted>
 __device__ uint32_t radix_select(const Candidate* cand, int n, uint32_t min_key, unsigned long long target,
-                                 float max_score, RadixShared& sh) {
+                                 RadixShared& sh) {
   const int lane = threadIdx.x % kWarp;
   uint32_t prefix = 0, prefix_mask = 0;
   unsigned long long above = 0;
@@ -298,7 +308,7 @@ __device__ uint32_t radix_select(const Candidate* cand, int n, uint32_t min_key,
         if (key >= min_key && (key & prefix_mask) == prefix) {
           active = true;
           digit = (key >> shift) & uint32_t(bins - 1);
-          weight = kWeighted ? top_p_weight(sub_rn(c.score, max_score)) : 1ull;
+          weight = kWeighted ? weight_from_exp(c.e) : 1ull;
         }
       }
       if (__ballot_sync(kFull, active) == 0) continue;
@@ -355,23 +365,23 @@ __global__ void __launch_bounds__(kDrawThreads) draw_kernel(SampleKernelParams p
   const Candidate* cand = w.cand + int64_t(r) * p.vocab;
 
   uint32_t top_k_key = 0;
-  if (a.top_k > 0 && a.top_k < n) top_k_key = radix_select<false>(cand, n, 0u, uint64_t(a.top_k), m, sh);
+  if (a.top_k > 0 && a.top_k < n) top_k_key = radix_select<false>(cand, n, 0u, uint64_t(a.top_k), sh);
   uint32_t top_p_key = 0;
   if (a.top_p < 1.0f) {
     unsigned long long total = 0;
     for (int j = threadIdx.x; j < n; j += blockDim.x) {
       const Candidate c = cand[j];
-      if (order_key(c.score) >= top_k_key) total += top_p_weight(sub_rn(c.score, m));
+      if (order_key(c.score) >= top_k_key) total += weight_from_exp(c.e);
     }
     total = block_sum_u64(total);
-    top_p_key = radix_select<true>(cand, n, top_k_key, top_p_target(a.top_p, total), m, sh);
+    top_p_key = radix_select<true>(cand, n, top_k_key, top_p_target(a.top_p, total), sh);
   }
   const uint32_t threshold = max(top_k_key, top_p_key);
   Best b = empty_best();
   for (int j = threadIdx.x; j < n; j += blockDim.x) {
     const Candidate c = cand[j];
     if (order_key(c.score) < threshold || !(sub_rn(c.score, m) >= a.log_min_p)) continue;
-    consider(b, add_rn(c.score, gumbel_noise(a, uint32_t(c.index))), c.index);
+    consider(b, c.perturbed, c.index);
   }
   b = block_best(b);
   if (threadIdx.x == 0) p.ids[r] = b.index;
