@@ -73,6 +73,31 @@ struct RouterParams {
   float shared_weight = 0;   // weight of each appended slot (1 / rsf)
 };
 
+// One row of a sampling op: the request's SamplingParams as the op needs them (sampling.h says
+// what each filter does; SamplingParams::validate has checked them) plus the row's RNG key.
+struct SampleRowParams {
+  float temperature = 0;  // below kGreedyTemperature: greedy argmax (of the penalised logits)
+  int32_t top_k = 0;      // <= 0: off
+  float top_p = 1;        // 1: off
+  float min_p = 0;        // 0: off
+  float repetition_penalty = 1, presence_penalty = 0, frequency_penalty = 0;
+  uint64_t seed = 0;
+  // The sequence's own step counter: 0 for its first generated token (sampled from the prefill's
+  // logits), n for its (n+1)-th. Never the batch's step: a draw must not depend on batch-mates.
+  uint32_t step = 0;
+};
+
+// What the sampling op reads for a batch of logit rows. The penalty inputs are CSR over the rows:
+// row r's entries are [penalty_offsets[r], penalty_offsets[r+1]), token ids strictly increasing,
+// each a token the sequence has seen with the times it was generated (0: only in the prompt). A row
+// without penalties has no entries. Small: built on the host each step (SampleBatchBuilder).
+struct SampleBatch {
+  std::vector<SampleRowParams> rows;
+  std::vector<int32_t> penalty_offsets;  // rows + 1 (empty: no row has entries)
+  std::vector<int32_t> penalty_token_ids;
+  std::vector<int32_t> penalty_counts;
+};
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -140,6 +165,10 @@ class Ops {
   virtual void enable_routing_stats(int num_layers, int num_experts) = 0;
   virtual std::vector<int> take_routed_experts() = 0;
 
+  // ids[R] (int32) = the token each row of logits[R, V] (fp32) draws under batch.rows[r] (R rows);
+  // greedy rows give the argmax of their penalised logits (the first maximum, NaN first, as
+  // torch.argmax). The logits are not modified. Same inputs -> the same ids on every backend.
+  virtual void sample(Tensor logits, const SampleBatch& batch, Tensor ids) = 0;
   // Host copies (these wait for the backend: not inside a captured step).
   virtual std::vector<float> to_host(Tensor t) = 0;
   virtual std::vector<int32_t> ids_to_host(Tensor ids) = 0;

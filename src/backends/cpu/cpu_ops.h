@@ -35,6 +35,7 @@ class CpuOps final : public Ops {
   void argmax(Tensor logits, Tensor ids, Tensor values) override;
   void enable_routing_stats(int num_layers, int num_experts) override;
   std::vector<int> take_routed_experts() override;
+  void sample(Tensor logits, const SampleBatch& batch, Tensor ids) override;  // in cpu_sampling.cpp
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 

@@ -8,8 +8,10 @@
 #include "backends/cuda/elementwise.cuh"
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
+#include "backends/cuda/sampling.cuh"
 #include "core/error.h"
 #include "model/model.h"
+#include "model/sample_batch.h"
 
 namespace tpmoe::cuda {
 
@@ -113,6 +115,10 @@ CudaOps::~CudaOps() {
   }
   for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g.exec);
   for (void* p : cache_allocations_) cudaFree(p);
+  cudaFree(sample_device_);
+  cudaFree(sample_workspace_);
+  cudaFreeHost(sample_pinned_);
+  if (sample_uploaded_) cudaEventDestroy(sample_uploaded_);
   cudaFree(attention_workspace_);
   cudaFree(moe_workspace_);
   cudaFree(arena_);
@@ -386,6 +392,59 @@ void CudaOps::argmax(Tensor logits, Tensor ids, Tensor values) {
   Tensor scratch = alloc_typed(int64_t((bytes + 3) / 4), 1, DType::kI32);
   launch_argmax(logits.as<float>(), rows, vocab, ids.as<int32_t>(), values.empty() ? nullptr : values.as<float>(),
                 scratch.data, bytes, stream_);
+}
+
+void CudaOps::sample(Tensor logits, const SampleBatch& batch, Tensor ids) {
+  const auto timer = timed("sample");
+  expect(logits, DType::kF32, "sample's logits");
+  expect(ids, DType::kI32, "sample's ids");
+  const int rows = int(logits.dim(0)), vocab = int(logits.dim(1));
+  TPMOE_CHECK(ids.numel() >= rows, "CUDA sample: ids hold {} values for {} rows", ids.numel(), rows);
+  const std::vector<sampling::SampleRowArgs> args = check_sample_batch(batch, rows, vocab);
+  if (rows == 0) return;
+  const size_t entries = batch.penalty_token_ids.size();
+  const size_t args_bytes = (sizeof(sampling::SampleRowArgs) * rows + kAllocAlign - 1) / kAllocAlign * kAllocAlign;
+  const size_t ids_bytes = (sizeof(int32_t) * entries + kAllocAlign - 1) / kAllocAlign * kAllocAlign;
+  const size_t upload_bytes = args_bytes + 2 * ids_bytes;
+  const size_t workspace_bytes = sample_workspace_bytes(rows, vocab);
+  // The previous upload must have left the pinned buffer before it is rewritten; buffers in use by
+  // queued kernels must be idle before they are replaced.
+  if (!sample_uploaded_) CUDA_CHECK(cudaEventCreateWithFlags(&sample_uploaded_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventSynchronize(sample_uploaded_));
+  if (upload_bytes > sample_device_bytes_ || workspace_bytes > sample_workspace_bytes_) {
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    if (upload_bytes > sample_device_bytes_) {
+      CUDA_CHECK(cudaFree(sample_device_));
+      CUDA_CHECK(cudaFreeHost(sample_pinned_));
+      sample_device_bytes_ = sample_pinned_bytes_ = 2 * upload_bytes;
+      CUDA_CHECK(cudaMalloc(&sample_device_, sample_device_bytes_));
+      CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&sample_pinned_), sample_pinned_bytes_));
+    }
+    if (workspace_bytes > sample_workspace_bytes_) {
+      CUDA_CHECK(cudaFree(sample_workspace_));
+      sample_workspace_bytes_ = workspace_bytes;
+      CUDA_CHECK(cudaMalloc(&sample_workspace_, sample_workspace_bytes_));
+    }
+  }
+  std::memcpy(sample_pinned_, args.data(), sizeof(sampling::SampleRowArgs) * rows);
+  if (entries) {
+    std::memcpy(sample_pinned_ + args_bytes, batch.penalty_token_ids.data(), sizeof(int32_t) * entries);
+    std::memcpy(sample_pinned_ + args_bytes + ids_bytes, batch.penalty_counts.data(), sizeof(int32_t) * entries);
+  }
+  CUDA_CHECK(cudaMemcpyAsync(sample_device_, sample_pinned_, upload_bytes, cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaEventRecord(sample_uploaded_, stream_));
+  std::byte* device = static_cast<std::byte*>(sample_device_);
+  SampleKernelParams p;
+  p.logits = logits.as<const float>();
+  p.rows = rows;
+  p.vocab = vocab;
+  p.row_args = reinterpret_cast<const sampling::SampleRowArgs*>(device);
+  p.penalty_ids = reinterpret_cast<const int32_t*>(device + args_bytes);
+  p.penalty_counts = reinterpret_cast<const int32_t*>(device + args_bytes + ids_bytes);
+  p.ids = ids.as<int32_t>();
+  p.workspace = sample_workspace_;
+  p.workspace_bytes = sample_workspace_bytes_;
+  launch_sample(p, stream_);
 }
 
 std::vector<float> CudaOps::to_host(Tensor t) {

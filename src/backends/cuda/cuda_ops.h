@@ -77,6 +77,8 @@ class CudaOps final : public Ops {
   void argmax(Tensor logits, Tensor ids, Tensor values) override;
   void enable_routing_stats(int num_layers, int num_experts) override;
   std::vector<int> take_routed_experts() override;
+  // In sampling.cu's launcher; buffers grow on demand (not inside a recorded step).
+  void sample(Tensor logits, const SampleBatch& batch, Tensor ids) override;
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
@@ -128,6 +130,16 @@ class CudaOps final : public Ops {
   };
   std::vector<PendingTime> pending_times_;
   std::map<std::string, std::pair<double, int>> op_times_;  // name -> (ms, calls)
+
+  // sample(): the rows' args and penalty entries, uploaded per call through pinned memory, and the
+  // kernels' workspace. Grown on demand (sample() never runs inside a recorded step).
+  void* sample_device_ = nullptr;
+  size_t sample_device_bytes_ = 0;
+  std::byte* sample_pinned_ = nullptr;
+  size_t sample_pinned_bytes_ = 0;
+  void* sample_workspace_ = nullptr;
+  size_t sample_workspace_bytes_ = 0;
+  cudaEvent_t sample_uploaded_ = nullptr;  // the last upload has left the pinned buffer
 
   struct Graph {
     cudaGraphExec_t exec = nullptr;
