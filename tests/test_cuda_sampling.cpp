@@ -180,7 +180,7 @@ TEST(CudaSampling, GreedyRowsEqualTheArgmaxOp) {
   DeviceBuffer<int32_t> d_sampled(static_cast<size_t>(R)), d_argmax(static_cast<size_t>(R));
   gpu.sample(Tensor::make(d_logits.get(), DType::kF32, R, V), builder.batch(),
              Tensor::make(d_sampled.get(), DType::kI32, R));
-  gpu.argmax(Tensor::make(d_logits.get(), DType::kF32, R, V), Tensor::make(d_argmax.get(), DType::kI32, R));
+  gpu.argmax(Tensor::make(d_logits.get(), DType::kF32, R, V), Tensor::make(d_argmax.get(), DType::kI32, R), Tensor());
   const std::vector<int32_t> sampled = d_sampled.download(), argmax = d_argmax.download();
   EXPECT_EQ(sampled, argmax);
   EXPECT_EQ(sampled[1], 7);

@@ -305,7 +305,7 @@ TEST(Sampling, GreedyIsTheArgmax) {
   std::vector<int32_t> sampled(R, -1), argmax(R, -1);
   ops.sample(Tensor::make(logits.data(), DType::kF32, R, V), builder.batch(),
              Tensor::make(sampled.data(), DType::kI32, R));
-  ops.argmax(Tensor::make(logits.data(), DType::kF32, R, V), Tensor::make(argmax.data(), DType::kI32, R));
+  ops.argmax(Tensor::make(logits.data(), DType::kF32, R, V), Tensor::make(argmax.data(), DType::kI32, R), Tensor());
   EXPECT_EQ(sampled, argmax);
   EXPECT_EQ(sampled[2], 10);
   EXPECT_EQ(sampled[4], 0);
