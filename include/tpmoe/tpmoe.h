@@ -6,10 +6,13 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
+
+#include "tpmoe/sampling.h"
 
 namespace tpmoe {
 
@@ -38,6 +41,17 @@ struct GenerateRequest {
   std::vector<std::vector<int32_t>> forced_tokens;
   bool return_prefill_logits = false;  // logits at every prompt position
   bool return_step_logits = true;      // logits of every step (off for benchmarks)
+  // How each next token is chosen (greedy by default) and which strings or ids end a sequence.
+  // The request's length is max_new_tokens (sampling.max_tokens is not read here). A teacher-forced
+  // request runs its full length whatever it generates.
+  SamplingParams sampling;
+  std::vector<int32_t> eos_token_ids;  // the model's EOS ids: a sequence ends there unless ignore_eos
+  // Text, for stop strings and streaming (optional): detokenize(b, id) returns the text id adds to
+  // sequence b (a streaming decoder's output; called in order), on_text(b, text) receives text as
+  // soon as it is final (after any tail that may still become a stop string). Both run on the
+  // primary rank's thread only.
+  std::function<std::string(int sequence, int32_t token)> detokenize;
+  std::function<void(int sequence, const std::string& text)> on_text;
   // Count the distinct routed experts each decode step chose in each MoE layer (benchmarks: the
   // bandwidth floor counts the experts a step actually reads).
   bool record_routing = false;
@@ -57,6 +71,10 @@ struct GenerateResult {
   // layer, over the real sequences (padding rows excluded); 0 for dense layers.
   std::vector<std::vector<int>> step_routed_experts;
   int launches_per_step = 0;  // kernel launches of the last decode step (CUDA graphs; 0 on the CPU)
+  // Per sequence: why it ended ("stop": EOS, a stop token or string; "length": max_new_tokens) and,
+  // with detokenize, its text (stop strings cut off). generated[b] ends at the stopping token.
+  std::vector<std::string> finish_reasons;
+  std::vector<std::string> texts;
 };
 
 // "cuda" when this build has the CUDA backend and a GPU is visible, "cpu" otherwise: what a run

@@ -16,6 +16,7 @@
 #include "engine/op_bench.h"
 #include "engine/rank_runner.h"
 #include "engine/report.h"
+#include "engine/sampling.h"
 #include "io/checkpoint.h"
 #include "model/model.h"
 #include "model/presets.h"
@@ -122,6 +123,9 @@ class SpmdEngine final : public Engine {
   GenerateResult generate(const GenerateRequest& req) override {
     validate_request(req, config_.vocab_size);
     const StepBudget budget = step_budget(req);
+    // One seed for the request, the same on every rank (rank 0's, under mpirun).
+    uint64_t seed = resolve_seed(req.sampling);
+    launch_.broadcast_from_rank0(&seed, sizeof seed);
     GenerateResult result;
     std::vector<RankBackend*> ranks = group_->local_ranks();
     runner_->run(
@@ -132,7 +136,7 @@ class SpmdEngine final : public Engine {
           std::unique_ptr<Ops> ops = r.make_ops(budget);
           Model model(config_, plan_, RankShard::make(config_, layout_, r.rank()), r.weights(), *ops, r.comm());
           ops->init_cache(request_cache_shape(model, req, ops->records_steps()));
-          generate_on_rank(*ops, model, config_.vocab_size, req, r.rank() == 0 ? &result : nullptr);
+          generate_on_rank(*ops, model, config_.vocab_size, req, seed, r.rank() == 0 ? &result : nullptr);
         },
         [&] { return group_->wake_blocked_peers(); }, [&](size_t i) { return ranks[i]->rank(); });
     return result;

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "engine/sampling.h"
 
 namespace tpmoe {
 
@@ -75,6 +76,12 @@ void validate_request(const GenerateRequest& req, int vocab_size) {
       TPMOE_CHECK(id >= 0 && id < vocab_size, "generate: prompt {} has token id {}, outside the vocabulary (size {})",
                   b, id, vocab_size);
   }
+  req.sampling.validate(vocab_size);
+  for (int32_t id : req.eos_token_ids)
+    TPMOE_CHECK(id >= 0 && id < vocab_size, "generate: EOS token id {} outside the vocabulary (size {})", id,
+                vocab_size);
+  TPMOE_CHECK(req.sampling.stop.empty() || req.detokenize,
+              "generate: stop strings need the generated text (a tokenizer): give detokenize, or use stop token ids");
   if (req.forced_tokens.empty()) return;
   TPMOE_CHECK(int(req.forced_tokens.size()) == B, "teacher forcing: {} rows of forced tokens for {} prompts",
               req.forced_tokens.size(), B);
@@ -98,16 +105,144 @@ CacheShape request_cache_shape(const Model& model, const GenerateRequest& req, b
   return model.cache_shape(padded ? decode_bucket(B) : B, max_prompt_length(req) + req.max_new_tokens);
 }
 
-void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req, GenerateResult* out) {
+namespace {
+
+// The device logits of every row over the whole vocabulary, [R, V]: this rank's rows as they are,
+// or (vocab-parallel lm_head) every rank's slice gathered and laid side by side. Collective.
+Tensor full_logits_on_device(Ops& ops, Model& model, Tensor logits) {
+  const RankShard& shard = model.shard();
+  if (!shard.vocab_parallel()) return logits;
+  const int64_t R = logits.dim(0), Vl = logits.dim(1);
+  Tensor gathered = ops.alloc_typed(shard.tp * R, Vl, DType::kF32),
+         full = ops.alloc_typed(R, Vl * shard.tp, DType::kF32);
+  model.comm().all_gather(logits, gathered);
+  for (int q = 0; q < shard.tp; ++q)
+    ops.copy_columns(Tensor::make(gathered.as<float>() + q * R * Vl, DType::kF32, R, Vl), full, q * Vl);
+  return full;
+}
+
+// What decides each sequence's next token and when it ends: its sampling state, its stop checks
+// and (primary rank, when the caller streams text) its text. Every rank keeps the same state from
+// the same ids, so every rank takes the same decisions; only stop strings need text, which only
+// the primary rank has, and the ranks then agree through the communicator (decide_stops).
+class Sequences {
+ public:
+  Sequences(const GenerateRequest& req, uint64_t seed, bool primary)
+      : req_(req), params_(req.sampling), primary_(primary), seed_(seed) {
+    params_.max_tokens = req.max_new_tokens;  // the request's length is the one bound
+    const int B = int(req.prompts.size());
+    plain_greedy_ = params_.greedy() && params_.repetition_penalty == 1.f && params_.presence_penalty == 0.f &&
+                    params_.frequency_penalty == 0.f;
+    for (int b = 0; b < B; ++b) {
+      penalties_.emplace_back(params_, req.prompts[b]);
+      stops_.emplace_back(params_.stop);
+    }
+    finish_.assign(size_t(B), FinishReason::kNone);
+    texts_.resize(size_t(B));
+    generated_.resize(size_t(B));
+  }
+
+  bool plain_greedy() const { return plain_greedy_; }
+  bool finished(int b) const { return finish_[b] != FinishReason::kNone; }
+  bool all_finished() const {
+    return std::all_of(finish_.begin(), finish_.end(), [](FinishReason f) { return f != FinishReason::kNone; });
+  }
+  const std::vector<std::vector<int32_t>>& generated() const { return generated_; }
+
+  // The next ids of the step's logit rows (`row_seq[r]`: the sequence of row r, or -1: a row whose
+  // token nobody uses). Collective.
+  std::vector<int32_t> next_ids(Ops& ops, Model& model, Tensor logits, const std::vector<int>& row_seq) {
+    if (plain_greedy_) return greedy(ops, model, logits);
+    SampleBatchBuilder builder;
+    for (int b : row_seq) {
+      if (b < 0 || finished(b))
+        builder.add_greedy_row();
+      else
+        builder.add_row(params_, sequence_seed(seed_, uint32_t(b)), uint32_t(generated_[b].size()), penalties_[b]);
+    }
+    Tensor full = full_logits_on_device(ops, model, logits);
+    Tensor ids = ops.alloc_typed(full.dim(0), 1, DType::kI32);
+    ops.sample(full, builder.batch(), ids);
+    return ops.ids_to_host(ids);
+  }
+
+  // Appends sequence b's next token (forced, or drawn) and applies the stop checks that need no
+  // text. Teacher-forced runs never stop early: their length is the request's.
+  void append(int b, int32_t token) {
+    if (finished(b)) return;
+    generated_[b].push_back(token);
+    penalties_[b].add_generated(token);
+    const FinishReason f = check_token_stop(params_, token, req_.eos_token_ids, int(generated_[b].size()));
+    if (primary_ && req_.detokenize) emit(b, stops_[b].feed(req_.detokenize(b, token)));
+    if (f != FinishReason::kNone && (req_.forced_tokens.empty() || f == FinishReason::kLength)) finish(b, f);
+  }
+
+  // Stop strings are matched on the primary rank's text; every rank adopts its decisions (one
+  // small all-gather per step, only when the request has stop strings). Collective.
+  void decide_stops(Ops& ops, Model& model) {
+    if (params_.stop.empty() || !req_.forced_tokens.empty()) return;
+    const int B = int(finish_.size());
+    Tensor mine = ops.alloc_typed(B, 1, DType::kI32),
+           all = ops.alloc_typed(int64_t(model.comm().size()) * B, 1, DType::kI32);
+    std::vector<int32_t> flags(size_t(B), 0);
+    if (primary_)
+      for (int b = 0; b < B; ++b) flags[b] = stops_[b].stopped();
+    ops.upload_ids(flags, mine);
+    model.comm().all_gather(mine, all);
+    const std::vector<int32_t> decided = ops.ids_to_host(all);
+    for (int b = 0; b < B; ++b)  // rank 0's slot (the primary rank's under mpirun too)
+      if (decided[b] && !finished(b)) finish(b, FinishReason::kStopString);
+  }
+
+  void fill(GenerateResult& out) {
+    for (int b = 0; b < int(finish_.size()); ++b) {
+      if (!finished(b)) finish(b, FinishReason::kLength);
+      out.finish_reasons.push_back(finish_reason_name(finish_[b]));
+    }
+    out.generated = generated_;
+    if (req_.detokenize) out.texts = texts_;
+  }
+
+ private:
+  void finish(int b, FinishReason f) {
+    finish_[b] = f;
+    if (primary_ && req_.detokenize && f != FinishReason::kStopString) emit(b, stops_[b].flush());
+  }
+  void emit(int b, const std::string& text) {
+    if (text.empty()) return;
+    texts_[b] += text;
+    if (req_.on_text) req_.on_text(b, text);
+  }
+
+  const GenerateRequest& req_;
+  SamplingParams params_;
+  bool primary_;
+  uint64_t seed_;
+  bool plain_greedy_ = true;
+  std::vector<SequencePenalties> penalties_;
+  std::vector<StopMatcher> stops_;
+  std::vector<FinishReason> finish_;
+  std::vector<std::string> texts_;
+  std::vector<std::vector<int32_t>> generated_;
+};
+
+}  // namespace
+
+void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req, uint64_t seed, GenerateResult* out) {
   const int B = int(req.prompts.size()), G = req.max_new_tokens;
+  Sequences seqs(req, seed, out != nullptr);
   // Prefill: every prompt in one step. Logits only where they are wanted: the last prompt token of
   // each sequence, or every position when prefill logits are asked for.
   StepTokens step;
-  std::vector<int> last_row(static_cast<size_t>(B));
+  std::vector<int> last_row(static_cast<size_t>(B)), row_seq;
   for (int b = 0; b < B; ++b) {
     const auto& p = req.prompts[b];
     for (int i = 0; i < int(p.size()); ++i) {
-      if (req.return_prefill_logits || i + 1 == int(p.size())) step.logit_rows.push_back(step.num_tokens());
+      const bool last = i + 1 == int(p.size());
+      if (req.return_prefill_logits || last) {
+        step.logit_rows.push_back(step.num_tokens());
+        row_seq.push_back(last ? b : -1);
+      }
       step.token_ids.push_back(p[i]);
       step.positions.push_back(i);
       step.seq_slots.push_back(b);
@@ -118,9 +253,9 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
   if (req.record_routing) ops.enable_routing_stats(model.num_layers(), model.num_experts());
   ops.begin_step(step);
   Tensor logits = model.forward(step);
-  std::vector<int32_t> next = greedy(ops, model, logits);  // one id per logit row
-  std::vector<std::vector<int32_t>> generated(static_cast<size_t>(B));
-  for (int b = 0; b < B; ++b) generated[b].push_back(next[last_row[b]]);
+  std::vector<int32_t> next = seqs.next_ids(ops, model, logits, row_seq);  // one id per logit row
+  for (int b = 0; b < B; ++b) seqs.append(b, next[last_row[b]]);
+  seqs.decide_stops(ops, model);
   // Logits reach the host only when asked for (every rank gathers; rank 0 keeps them).
   if (req.return_step_logits || req.return_prefill_logits) {
     const std::vector<float> host = full_logits_to_host(ops, model, logits);
@@ -139,26 +274,32 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
   const auto t1 = std::chrono::steady_clock::now();
   if (req.record_routing) ops.take_routed_experts();  // the prefill's choices are not a decode step's
 
-  // Decode: one token per sequence per step. A recording backend gets the batch padded to its
-  // bucket; the padding rows decode token 0 at position 0 in slots of their own and are ignored.
+  // Decode: one token per sequence per step, until every sequence has finished. A recording
+  // backend gets the batch padded to its bucket; the padding rows (and finished sequences) decode
+  // token 0 at position 0 in slots of their own and are ignored.
   const int rows = ops.records_steps() ? decode_bucket(B) : B;
+  std::vector<int> decode_row_seq;
+  for (int b = 0; b < rows; ++b) decode_row_seq.push_back(b < B ? b : -1);
   std::vector<double> step_seconds;
   step_seconds.reserve(size_t(std::max(0, G - 1)));
-  for (int i = 1; i < G; ++i) {
+  for (int i = 1; i < G && !seqs.all_finished(); ++i) {
     const auto step_start = std::chrono::steady_clock::now();
     StepTokens d;
     for (int b = 0; b < rows; ++b) {
-      const bool real = b < B;
-      d.token_ids.push_back(!real ? 0 : req.forced_tokens.empty() ? generated[b][i - 1] : req.forced_tokens[b][i - 1]);
-      d.positions.push_back(real ? int(req.prompts[b].size()) + i - 1 : 0);
+      const bool live = b < B && !seqs.finished(b);
+      d.token_ids.push_back(!live                       ? 0
+                            : req.forced_tokens.empty() ? seqs.generated()[b][i - 1]
+                                                        : req.forced_tokens[b][i - 1]);
+      d.positions.push_back(live ? int(req.prompts[b].size()) + i - 1 : 0);
       d.seq_slots.push_back(b);
       d.logit_rows.push_back(b);
     }
     d.num_padding = rows - B;
     ops.begin_step(d);
     logits = ops.run_step(rows, [&] { return model.forward(d); });
-    next = greedy(ops, model, logits);
-    for (int b = 0; b < B; ++b) generated[b].push_back(next[b]);
+    next = seqs.next_ids(ops, model, logits, decode_row_seq);
+    for (int b = 0; b < B; ++b) seqs.append(b, next[b]);
+    seqs.decide_stops(ops, model);
     if (req.return_step_logits) {
       std::vector<float> host = full_logits_to_host(ops, model, logits);
       host.resize(size_t(B) * V);
@@ -173,7 +314,7 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
   const auto t2 = std::chrono::steady_clock::now();
   if (out) {
     out->vocab_size = V;
-    out->generated = std::move(generated);
+    seqs.fill(*out);
     out->prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
     out->decode_seconds = std::chrono::duration<double>(t2 - t1).count();
     out->step_seconds = std::move(step_seconds);

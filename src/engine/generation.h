@@ -20,6 +20,9 @@ CacheShape request_cache_shape(const Model& model, const GenerateRequest& req, b
 // recordings serve every batch.
 int decode_bucket(int batch);
 
-void generate_on_rank(Ops& ops, Model& model, int vocab_size, const GenerateRequest& req, GenerateResult* out);
+// `seed`: the request's sampling seed (resolve_seed, the same on every rank). Only the rank given
+// `out` records results and streams text.
+void generate_on_rank(Ops& ops, Model& model, int vocab_size, const GenerateRequest& req, uint64_t seed,
+                      GenerateResult* out);
 
 }  // namespace tpmoe

@@ -47,10 +47,10 @@ size_t Model::activation_bytes(const ModelConfig& c_, const RankShard& shard_, i
     }
     worst_layer = std::max(worst_layer, bytes);
   }
-  // Per logit row: the selected hidden row, this rank's logits, and (vocab-parallel) the gathered
-  // full row plus the distributed argmax's candidates of every rank.
-  const size_t per_logit_row = H * a + 4 * size_t(shard_.vocab_size) + 4 +
-                               (shard_.vocab_parallel() ? 4 * size_t(c_.vocab_size) + 8 * size_t(shard_.tp) + 8 : 0);
+  // Per logit row: the selected hidden row, this rank's logits, its id, and (vocab-parallel) the
+  // gathered slices and the full row they are laid into, plus the distributed argmax's candidates.
+  const size_t per_logit_row = H * a + 4 * size_t(shard_.vocab_size) + 8 +
+                               (shard_.vocab_parallel() ? 8 * size_t(c_.vocab_size) + 16 * size_t(shard_.tp) + 8 : 0);
   return T * (4 * H + 3 * H * a + worst_layer) + size_t(max_logit_rows) * per_logit_row + 4 * kAllocSlack;
 }
 

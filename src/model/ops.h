@@ -169,6 +169,12 @@ class Ops {
   // greedy rows give the argmax of their penalised logits (the first maximum, NaN first, as
   // torch.argmax). The logits are not modified. Same inputs -> the same ids on every backend.
   virtual void sample(Tensor logits, const SampleBatch& batch, Tensor ids) = 0;
+  // dst[:, col_offset : col_offset + src.cols] = src (fp32 rows): the vocabulary slices of a
+  // vocab-parallel lm_head laid side by side.
+  virtual void copy_columns(Tensor src, Tensor dst, int64_t col_offset) = 0;
+  // dst[i] = ids[i] (int32), from the host.
+  virtual void upload_ids(const std::vector<int32_t>& ids, Tensor dst) = 0;
+
   // Host copies (these wait for the backend: not inside a captured step).
   virtual std::vector<float> to_host(Tensor t) = 0;
   virtual std::vector<int32_t> ids_to_host(Tensor ids) = 0;

@@ -334,6 +334,16 @@ void CpuOps::argmax(Tensor logits, Tensor ids, Tensor values) {
   }
 }
 
+void CpuOps::copy_columns(Tensor src, Tensor dst, int64_t col_offset) {
+  const int64_t R = src.dim(0), C = src.dim(1), W = dst.dim(1);
+  for (int64_t r = 0; r < R; ++r)
+    std::memcpy(dst.as<float>() + r * W + col_offset, src.as<float>() + r * C, sizeof(float) * size_t(C));
+}
+
+void CpuOps::upload_ids(const std::vector<int32_t>& ids, Tensor dst) {
+  std::memcpy(dst.data, ids.data(), sizeof(int32_t) * ids.size());
+}
+
 std::vector<int32_t> CpuOps::ids_to_host(Tensor ids) { return {ids.as<int32_t>(), ids.as<int32_t>() + ids.numel()}; }
 
 std::vector<float> CpuOps::to_host(Tensor t) {

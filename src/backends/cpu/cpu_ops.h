@@ -36,6 +36,8 @@ class CpuOps final : public Ops {
   void enable_routing_stats(int num_layers, int num_experts) override;
   std::vector<int> take_routed_experts() override;
   void sample(Tensor logits, const SampleBatch& batch, Tensor ids) override;  // in cpu_sampling.cpp
+  void copy_columns(Tensor src, Tensor dst, int64_t col_offset) override;
+  void upload_ids(const std::vector<int32_t>& ids, Tensor dst) override;
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 

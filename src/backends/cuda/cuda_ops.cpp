@@ -447,6 +447,19 @@ void CudaOps::sample(Tensor logits, const SampleBatch& batch, Tensor ids) {
   launch_sample(p, stream_);
 }
 
+void CudaOps::copy_columns(Tensor src, Tensor dst, int64_t col_offset) {
+  expect(src, DType::kF32, "copy_columns source");
+  expect(dst, DType::kF32, "copy_columns destination");
+  const size_t width = size_t(src.dim(1)) * sizeof(float);
+  CUDA_CHECK(cudaMemcpy2DAsync(dst.as<float>() + col_offset, size_t(dst.dim(1)) * sizeof(float), src.data, width, width,
+                               size_t(src.dim(0)), cudaMemcpyDeviceToDevice, stream_));
+}
+
+void CudaOps::upload_ids(const std::vector<int32_t>& ids, Tensor dst) {
+  CUDA_CHECK(cudaMemcpyAsync(dst.data, ids.data(), sizeof(int32_t) * ids.size(), cudaMemcpyHostToDevice, stream_));
+  CUDA_CHECK(cudaStreamSynchronize(stream_));  // `ids` may go as soon as this returns
+}
+
 std::vector<float> CudaOps::to_host(Tensor t) {
   std::vector<float> out(size_t(t.numel()));
   if (t.dtype == DType::kF32) {

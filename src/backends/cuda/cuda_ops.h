@@ -79,6 +79,8 @@ class CudaOps final : public Ops {
   std::vector<int> take_routed_experts() override;
   // In sampling.cu's launcher; buffers grow on demand (not inside a recorded step).
   void sample(Tensor logits, const SampleBatch& batch, Tensor ids) override;
+  void copy_columns(Tensor src, Tensor dst, int64_t col_offset) override;
+  void upload_ids(const std::vector<int32_t>& ids, Tensor dst) override;
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
