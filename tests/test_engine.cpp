@@ -248,3 +248,102 @@ TEST(EngineLifetime, BuiltAndTornDownRepeatedly) {
 
 }  // namespace
 }  // namespace tpmoe
+
+namespace tpmoe {
+namespace {
+
+GenerateRequest sampled_request(uint64_t seed) {
+  GenerateRequest req;
+  req.prompts = {{3, 1, 4, 1, 5, 9, 2, 6}, {2, 7, 1, 8}};
+  req.max_new_tokens = 12;
+  req.return_step_logits = false;
+  req.sampling.temperature = 0.9f;
+  req.sampling.top_p = 0.95f;
+  req.sampling.top_k = 50;
+  req.sampling.seed = seed;
+  return req;
+}
+
+TEST(Sampling, SeedsReproduceAcrossEnginesAndTp) {
+  auto tp1 = Engine::from_preset("tiny", std::nullopt, kSeed, cpu_options(1));
+  auto tp2 = Engine::from_preset("tiny", std::nullopt, kSeed, cpu_options(2));
+  const GenerateResult a = tp1->generate(sampled_request(5)), b = tp1->generate(sampled_request(5));
+  EXPECT_EQ(a.generated, b.generated);
+  // tp 2 (vocab-parallel logits gathered for the draw) draws the same tokens from the same seed.
+  EXPECT_EQ(tp2->generate(sampled_request(5)).generated, a.generated);
+  // Another seed, other tokens (12 tokens from a 512-token vocabulary at temperature 0.9).
+  EXPECT_NE(tp1->generate(sampled_request(6)).generated, a.generated);
+  // Not the greedy tokens either.
+  GenerateRequest greedy = sampled_request(5);
+  greedy.sampling = SamplingParams{};
+  EXPECT_NE(tp1->generate(greedy).generated, a.generated);
+}
+
+TEST(Sampling, EosAndStopIdsEndASequenceAtTheirToken) {
+  auto engine = Engine::from_preset("tiny", std::nullopt, kSeed, cpu_options(1));
+  GenerateRequest req = sampled_request(7);
+  const GenerateResult free_run = engine->generate(req);
+  ASSERT_EQ(free_run.generated[0].size(), 12u);
+  EXPECT_EQ(free_run.finish_reasons, (std::vector<std::string>{"length", "length"}));
+  // The token sequence 0 drew fourth, as an EOS id: it stops there (inclusive), the other goes on
+  // (unless it happens to draw the same token).
+  const int32_t eos = free_run.generated[0][3];
+  req.eos_token_ids = {eos};
+  const GenerateResult stopped = engine->generate(req);
+  const auto first = std::find(free_run.generated[0].begin(), free_run.generated[0].end(), eos);
+  const size_t want = size_t(first - free_run.generated[0].begin()) + 1;
+  ASSERT_EQ(stopped.generated[0].size(), want);
+  EXPECT_TRUE(std::equal(stopped.generated[0].begin(), stopped.generated[0].end(), free_run.generated[0].begin()));
+  EXPECT_EQ(stopped.finish_reasons[0], "stop");
+  req.eos_token_ids.clear();
+  req.sampling.stop_token_ids = {eos};
+  EXPECT_EQ(engine->generate(req).generated[0], stopped.generated[0]);
+  req.sampling.ignore_eos = true;
+  req.sampling.stop_token_ids.clear();
+  req.eos_token_ids = {eos};
+  EXPECT_EQ(engine->generate(req).generated[0].size(), 12u);
+}
+
+TEST(Sampling, StopStringsCutTheStreamedTextOnEveryRank) {
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE(fmt::format("tp {}", tp));
+    auto engine = Engine::from_preset("tiny", std::nullopt, kSeed, cpu_options(tp));
+    GenerateRequest req = sampled_request(9);
+    req.detokenize = [](int, int32_t id) { return fmt::format("<{}>", id); };
+    std::vector<std::string> streamed(2);
+    req.on_text = [&](int b, const std::string& text) { streamed[b] += text; };
+    const GenerateResult full = engine->generate(req);
+    EXPECT_EQ(full.texts, streamed);
+    ASSERT_EQ(full.texts[0].size() > 0, true);
+    // Stop at sequence 0's third token's text: the text ends right before it, the ids at it.
+    const std::string stop = fmt::format("<{}>", full.generated[0][2]);
+    req.sampling.stop = {stop};
+    streamed.assign(2, "");
+    const GenerateResult cut = engine->generate(req);
+    EXPECT_EQ(cut.texts, streamed);
+    EXPECT_EQ(cut.finish_reasons[0], "stop");
+    EXPECT_EQ(cut.texts[0], full.texts[0].substr(0, full.texts[0].find(stop)));
+    EXPECT_EQ(cut.generated[0].size(),
+              size_t(std::find(full.generated[0].begin(), full.generated[0].end(), full.generated[0][2]) -
+                     full.generated[0].begin()) +
+                  1);
+  }
+}
+
+TEST(Sampling, BadParametersAreClearErrors) {
+  auto engine = Engine::from_preset("tiny", std::nullopt, kSeed, cpu_options(1));
+  GenerateRequest req = sampled_request(1);
+  req.sampling.temperature = -1;
+  EXPECT_THROW(engine->generate(req), Error);
+  req = sampled_request(1);
+  req.sampling.stop = {"x"};  // no detokenize: stop strings cannot be matched
+  try {
+    engine->generate(req);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("stop strings"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace tpmoe
