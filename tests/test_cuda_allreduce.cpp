@@ -289,8 +289,14 @@ TEST(CudaAllreduce, PathChoiceBySize) {
   cuda::NcclCommunicator comm(id, 1, 0, 6144, {.window_tokens = 512});
   ASSERT_TRUE(comm.fused_available());
   const auto& t = comm.thresholds();
-  EXPECT_EQ(comm.choose(1, 6144), cuda::AllreducePath::kPush);
-  EXPECT_EQ(comm.choose(t.push_max_tokens + 1, 6144), cuda::AllreducePath::kOneShot);
+  {  // A threshold for the push path selects it for that many rows, and the one-shot above.
+    ncclUniqueId id2;
+    NCCL_CHECK(ncclGetUniqueId(&id2));
+    cuda::NcclCommunicator pushing(id2, 1, 0, 6144, {.window_tokens = 512, .push_max_tokens = 16});
+    EXPECT_EQ(pushing.choose(16, 6144), cuda::AllreducePath::kPush);
+    EXPECT_EQ(pushing.choose(17, 6144), cuda::AllreducePath::kOneShot);
+  }
+  EXPECT_EQ(comm.choose(1, 6144), cuda::AllreducePath::kOneShot);  // push: off until measured at tp > 1
   EXPECT_EQ(comm.choose(t.twoshot_max_tokens + 1, 6144), cuda::AllreducePath::kNccl);  // beyond the window
   EXPECT_EQ(comm.choose(4, 6100), cuda::AllreducePath::kNccl);                         // another width
   // Modelled defaults for N ranks (replaced by measured ones once multi-GPU hosts run the bench).

@@ -37,9 +37,10 @@ AllreduceThresholds AllreduceThresholds::defaults(int nranks, int window_tokens)
   // two-shot pays one more barrier. So one-shot wins at N = 2 for every size, and two-shot takes
   // over at a few tens of rows for N >= 4.
   AllreduceThresholds t;
-  // Push: no barrier round trip at all, so it should win where latency rules (a few rows); the
-  // crossover to one-shot is a guess until `bench-op allreduce --tp N` measures it.
-  t.push_max_tokens = std::min(16, std::min(window_tokens, kPushMaxRows));
+  // Push: no barrier round trip, which is what it saves at tp > 1; at tp 1 (the only size measured
+  // so far, docs/PERF.md) it costs ~1.7 us more than the one-shot. Off by default until
+  // `bench-op allreduce --tp N` on several GPUs shows where it wins (--allreduce-path push forces it).
+  t.push_max_tokens = 0;
   t.oneshot_max_tokens = nranks <= 2 ? window_tokens : nranks <= 4 ? 64 : 16;
   t.twoshot_max_tokens = window_tokens;
   return t;
