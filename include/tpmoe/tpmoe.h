@@ -104,6 +104,10 @@ class Engine {
   // True in the process that holds rank 0: the one that returns results, prints and writes files
   // (under mpirun, every other process gets empty results).
   virtual bool is_primary() const = 0;
+  // The model's end-of-sequence ids (config.json `eos_token_id`): pass them as
+  // GenerateRequest::eos_token_ids to stop there.
+  virtual std::vector<int32_t> eos_token_ids() const = 0;
+  virtual int vocab_size() const = 0;
   // Bytes of weights each rank holds.
   virtual size_t weight_bytes_per_rank() const = 0;
   // Weight bytes one decode step of `batch` sequences reads on a rank: the numerator of the

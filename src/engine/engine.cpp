@@ -119,6 +119,8 @@ class SpmdEngine final : public Engine {
   }
   const std::vector<std::string>& unknown_tensors() const override { return unused_; }
   bool is_primary() const override { return launch_.local_ranks.front() == 0; }
+  std::vector<int32_t> eos_token_ids() const override { return config_.eos_token_ids; }
+  int vocab_size() const override { return config_.vocab_size; }
 
   GenerateResult generate(const GenerateRequest& req) override {
     validate_request(req, config_.vocab_size);

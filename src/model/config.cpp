@@ -300,6 +300,12 @@ ModelConfig parse_text_config(const Fields& f) {
     c.tie_word_embeddings = v->get<bool>();
   }
 
+  if (const json* v = f.find("eos_token_id")) {
+    const bool list = v->is_array();
+    for (const json& id : list ? *v : json::array({*v}))
+      if (!id.is_null()) c.eos_token_ids.push_back(int32_t(f.integer("eos_token_id", id, 0, kMaxDim)));
+  }
+
   // Missing lists: every layer full attention, every layer MoE (SPEC §2).
   c.layer_types =
       f.layer_list<AttentionType>("layer_types", "sparse_attention_config.sparse_attention_freq", kAttentionNames)
@@ -381,6 +387,9 @@ void ModelConfig::validate(const std::string& origin) const {
               "{}: field 'num_attention_heads' ({}) must be a multiple of 'num_key_value_heads' ({})", origin,
               num_heads, num_kv_heads);
   TPMOE_CHECK(head_dim % 2 == 0, "{}: field 'head_dim' must be even, got {}", origin, head_dim);
+  for (int32_t id : eos_token_ids)
+    TPMOE_CHECK(id >= 0 && id < vocab_size, "{}: field 'eos_token_id' ({}) is outside the vocabulary (vocab_size {})",
+                origin, id, vocab_size);
   TPMOE_CHECK(rotary_dim % 2 == 0 && rotary_dim <= head_dim,
               "{}: field 'rotary_dim' must be even and at most head_dim {}, got {}", origin, head_dim, rotary_dim);
   // Projection widths are computed as int products later; keep them in range too.
@@ -451,6 +460,8 @@ nlohmann::json ModelConfig::to_json(JsonForm form) const {
   t["n_shared_experts"] = num_shared_experts;
   for (const FloatField& f : kFloatFields) t[f.name] = float_for_json(this->*f.member);
   t["tie_word_embeddings"] = tie_word_embeddings;
+  if (eos_token_ids.size() == 1) t["eos_token_id"] = eos_token_ids[0];
+  if (eos_token_ids.size() > 1) t["eos_token_id"] = eos_token_ids;
 
   const double factor = head_dim > 0 ? double(rotary_dim) / head_dim : 0.0;
   json layers = json::array(), mlps = json::array();

@@ -43,6 +43,7 @@ struct ModelConfig {
   int index_local_blocks = 0;
 
   bool tie_word_embeddings = false;
+  std::vector<int32_t> eos_token_ids;      // `eos_token_id` (one id or a list): where generation may end
   std::vector<AttentionType> layer_types;  // size num_layers
   std::vector<MlpType> mlp_layer_types;    // size num_layers
 
