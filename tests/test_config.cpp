@@ -41,7 +41,7 @@ json legacy_fixture_json() {
       "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 64,
       "shared_intermediate_size": 64, "n_shared_experts": 1, "dense_intermediate_size": 192,
       "routed_scaling_factor": 2.0, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
-      "tie_word_embeddings": false,
+      "tie_word_embeddings": false, "eos_token_id": 2,
       "moe_layer_freq": [0, 1, 1, 1],
       "sparse_attention_config": {
         "sparse_num_index_heads": 2, "sparse_index_dim": 32, "sparse_block_size": 8,
@@ -60,6 +60,7 @@ void expect_same(const ModelConfig& a, const ModelConfig& b) {
   EXPECT_EQ(a.rotary_dim, b.rotary_dim);
   EXPECT_EQ(a.rope_theta, b.rope_theta);  // exact, not near: round trips must be lossless
   EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.eos_token_ids, b.eos_token_ids);
   EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
   EXPECT_EQ(a.num_experts, b.num_experts);
   EXPECT_EQ(a.num_experts_per_tok, b.num_experts_per_tok);
@@ -176,6 +177,19 @@ TEST(Config, RoundTripsUnusualValues) {
 
 TEST(Config, LegacyMultimodalFormParsesToSameConfig) {
   expect_same(ModelConfig::from_json(legacy_fixture_json()), ModelConfig::from_file(fixture_config()));
+}
+
+TEST(Config, EosTokenIdIsOneIdOrAList) {
+  json j = fixture_json();
+  EXPECT_EQ(ModelConfig::from_json(j).eos_token_ids, std::vector<int32_t>{2});
+  j["eos_token_id"] = {1, 2, 7};
+  EXPECT_EQ(ModelConfig::from_json(j).eos_token_ids, (std::vector<int32_t>{1, 2, 7}));
+  j.erase("eos_token_id");
+  EXPECT_TRUE(ModelConfig::from_json(j).eos_token_ids.empty());
+  j["eos_token_id"] = 512;  // vocab_size 512
+  EXPECT_NE(error_of([&] { ModelConfig::from_json(j); }).find("eos_token_id"), std::string::npos);
+  j["eos_token_id"] = "two";
+  EXPECT_NE(error_of([&] { ModelConfig::from_json(j); }).find("eos_token_id"), std::string::npos);
 }
 
 TEST(Config, MissingListsDefaultToFullAttentionAndMoe) {
