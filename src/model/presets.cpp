@@ -1,6 +1,8 @@
 #include "model/presets.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -94,8 +96,57 @@ float random_value(uint64_t seed, uint64_t key, uint64_t index, float stddev) {
   return (2.f * unit - 1.f) * 1.7320508f * stddev;
 }
 
+std::pair<io::OwnedTensor, io::OwnedTensor> quantize_mxfp8(const std::vector<int64_t>& shape,
+                                                           std::span<const float> values) {
+  TPMOE_CHECK(!shape.empty() && shape.back() % kMxfp8BlockSize == 0,
+              "quantize_mxfp8: the last dimension must be a multiple of {}", kMxfp8BlockSize);
+  const size_t blocks = values.size() / kMxfp8BlockSize;
+  io::OwnedTensor q{DType::kF8E4M3, shape, std::vector<std::byte>(values.size())};
+  std::vector<int64_t> scale_shape = shape;
+  scale_shape.back() /= kMxfp8BlockSize;
+  io::OwnedTensor s{DType::kU8, scale_shape, std::vector<std::byte>(blocks)};
+#pragma omp parallel for
+  for (int64_t b = 0; b < int64_t(blocks); ++b) {
+    const float* v = values.data() + b * kMxfp8BlockSize;
+    float amax = 0.f;
+    for (int i = 0; i < kMxfp8BlockSize; ++i) amax = std::max(amax, std::fabs(v[i]));
+    // Smallest e with amax / 2^e <= 448 (with amax in [2^E, 2^(E+1)): E - 8 or E - 7), found without
+    // log2 rounding so the device generator (launch_quantize_mxfp8) gets the same bits; all zeros: 2^0.
+    int e = 0;
+    if (amax > 0) {
+      const int E = std::ilogb(amax);
+      e = E - 8 + (std::ldexp(amax, 8 - E) > 448.f ? 1 : 0);
+    }
+    e = std::clamp(e, -127, 127);
+    s.bytes[b] = std::byte(uint8_t(e + 127));
+    for (int i = 0; i < kMxfp8BlockSize; ++i)
+      q.bytes[b * kMxfp8BlockSize + i] = std::byte(f32_to_fp8_e4m3(std::ldexp(v[i], -e)));
+  }
+  return {std::move(q), std::move(s)};
+}
+
+void set_mxfp8(ModelConfig& config) {
+  config.quantization.method = QuantMethod::kMxfp8;
+  config.quantization.ignored_layers = {"lm_head", "model.embed_tokens", "mlp.gate"};
+}
+
+namespace {
+// Tensors an MXFP8 checkpoint quantizes (SPEC §3), by layout-A name.
+bool is_mxfp8_linear(const std::string& name) {
+  for (const char* s : {"_proj.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}) {
+    const std::string_view suffix(s);
+    if (name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0)
+      return true;
+  }
+  return false;
+}
+}  // namespace
+
 std::map<std::string, io::OwnedTensor> random_weights(const ModelConfig& c, uint64_t seed, DType dtype) {
   std::map<std::string, io::OwnedTensor> out;
+  const bool mxfp8 = dtype == DType::kF8E4M3;
+  TPMOE_CHECK(!mxfp8 || c.quantization.method == QuantMethod::kMxfp8,
+              "random_weights: MXFP8 weights need a config whose quantization_config says mxfp8");
   auto add = [&](const std::string& name, std::vector<int64_t> shape, float stddev, DType dt) {
     int64_t n = 1;
     for (auto d : shape) n *= d;
@@ -103,6 +154,17 @@ std::map<std::string, io::OwnedTensor> random_weights(const ModelConfig& c, uint
     const uint64_t key = tensor_key(name);
 #pragma omp parallel for
     for (int64_t i = 0; i < n; ++i) v[i] = random_value(seed, key, uint64_t(i), stddev);
+    if (dt == DType::kF8E4M3) {
+      if (is_mxfp8_linear(name)) {
+        // The bf16 weights, quantized: the same values a bf16 preset holds, to MXFP8 precision.
+        for (auto& x : v) x = bf16_to_f32(f32_to_bf16(x));
+        auto [q, scale] = quantize_mxfp8(shape, v);
+        out[name] = std::move(q);
+        out[name + "_scale_inv"] = std::move(scale);
+        return;
+      }
+      dt = DType::kBF16;
+    }
     out[name] = io::OwnedTensor::from_f32(std::move(shape), v, dt);
   };
   const int64_t H = c.hidden_size, hd = c.head_dim, V = c.vocab_size;

@@ -1,12 +1,13 @@
 #include "model/weights.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "core/error.h"
 
 namespace tpmoe {
 
-DType weight_storage_dtype(DType d) { return d == DType::kBF16 ? DType::kBF16 : DType::kF32; }
+DType weight_storage_dtype(DType d) { return d == DType::kBF16 || d == DType::kF8E4M3 ? d : DType::kF32; }
 
 namespace {
 
@@ -32,9 +33,61 @@ void convert(const std::byte* src, DType from, std::byte* dst, DType to, int64_t
   }
 }
 
+// Where a loader writes one matrix: `data` in `dtype`; for F8 also the scale bytes.
+struct Dest {
+  std::byte* data = nullptr;
+  uint8_t* scale = nullptr;
+  DType dtype = DType::kF32;
+};
+
+// Elements [c0, c0 + n) of row r of the [N, K] matrix view `v`, written at `d` (advanced past them).
+// An MXFP8 source is dequantized (fp32 destination) or copied with its scales (F8 destination: the
+// span must lie on 32-element block boundaries, as a tensor-parallel slice of an FP8 weight must).
+void copy_row_span(const io::TensorView& v, int64_t r, int64_t c0, int64_t n, Dest& d) {
+  const int64_t K = v.shape.back();
+  const size_t es = dtype_size(v.dtype);
+  if (v.dtype != DType::kF8E4M3) {
+    convert(v.data + size_t(r * K + c0) * es, v.dtype, d.data, d.dtype, n);
+    d.data += size_t(n) * dtype_size(d.dtype);
+    return;
+  }
+  const auto* q = reinterpret_cast<const uint8_t*>(v.data) + r * K;
+  const auto* s = reinterpret_cast<const uint8_t*>(v.scale) + r * (K / kMxfp8BlockSize);
+  for (int64_t b = c0 / kMxfp8BlockSize; b * kMxfp8BlockSize < c0 + n; ++b)
+    TPMOE_CHECK(s[b] != kE8M0Nan, "{}: MXFP8 tensor '{}': scale [{}, {}] is 255 (NaN)", v.file, v.name, r, b);
+  if (d.dtype == DType::kF8E4M3) {
+    TPMOE_CHECK(c0 % kMxfp8BlockSize == 0 && n % kMxfp8BlockSize == 0,
+                "{}: MXFP8 tensor '{}' {}: this rank's slice of columns [{}, {}) does not lie on 32-element "
+                "scale-block boundaries (a tensor-parallel split of an FP8 weight must cut K into whole blocks; "
+                "use a smaller --tp, or the CPU backend, which dequantizes before slicing)",
+                v.file, v.name, v.shape_str(), c0, c0 + n);
+    std::memcpy(d.data, q + c0, size_t(n));
+    std::memcpy(d.scale, s + c0 / kMxfp8BlockSize, size_t(n / kMxfp8BlockSize));
+    d.data += n;
+    d.scale += n / kMxfp8BlockSize;
+    return;
+  }
+  TPMOE_CHECK(d.dtype == DType::kF32, "internal: cannot convert F8_E4M3 to {}", dtype_name(d.dtype));
+  float* out = reinterpret_cast<float*>(d.data);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = c0 + i;
+    out[i] = fp8_e4m3_to_f32(q[k]) * e8m0_to_f32(s[k / kMxfp8BlockSize]);
+    TPMOE_CHECK(std::isfinite(out[i]), "{}: MXFP8 tensor '{}': element [{}, {}] dequantizes to {} (fp8 byte 0x{:02x})",
+                v.file, v.name, r, k, out[i], q[k]);
+  }
+  d.data += size_t(n) * sizeof(float);
+}
+
 class Loader {
  public:
-  explicit Loader(ModelWeights& w) : w_(w) {}
+  Loader(ModelWeights& w, const LoadOptions& options) : w_(w), options_(options) {}
+
+  // The dtype a checkpoint matrix of dtype `d` is stored in: bf16 stays bf16, MXFP8 stays MXFP8 when
+  // asked (the CUDA backend) and is dequantized to fp32 otherwise (the CPU oracle), the rest is fp32.
+  DType storage(DType d) const {
+    if (d == DType::kF8E4M3) return options_.keep_mxfp8 ? d : DType::kF32;
+    return weight_storage_dtype(d);
+  }
 
   Tensor alloc(DType dtype, std::vector<int64_t> shape) {
     int64_t n = 1;
@@ -43,9 +96,27 @@ class Loader {
     w_.storage.push_back(std::make_unique<std::byte[]>(std::max<size_t>(bytes, 1)));
     w_.bytes += bytes;
     void* p = w_.storage.back().get();
-    if (shape.size() == 1) return Tensor::make(p, dtype, shape[0]);
-    if (shape.size() == 2) return Tensor::make(p, dtype, shape[0], shape[1]);
-    return Tensor::make(p, dtype, shape[0], shape[1], shape[2]);
+    Tensor t = shape.size() == 1   ? Tensor::make(p, dtype, shape[0])
+               : shape.size() == 2 ? Tensor::make(p, dtype, shape[0], shape[1])
+                                   : Tensor::make(p, dtype, shape[0], shape[1], shape[2]);
+    if (dtype == DType::kF8E4M3) {
+      const size_t scale_bytes = bytes / kMxfp8BlockSize;
+      w_.storage.push_back(std::make_unique<std::byte[]>(std::max<size_t>(scale_bytes, 1)));
+      w_.bytes += scale_bytes;
+      t.scale = w_.storage.back().get();
+    }
+    return t;
+  }
+  static Dest dest(const Tensor& t) {
+    return {static_cast<std::byte*>(t.data), static_cast<uint8_t*>(t.scale), t.dtype};
+  }
+  // Dest of expert row `row` of a [R, rows, K] stack.
+  static Dest dest_row(const Tensor& t, int64_t row) {
+    const int64_t per = t.dim(1) * t.dim(2);
+    Dest d = dest(t);
+    d.data += size_t(row * per) * dtype_size(t.dtype);
+    if (d.scale) d.scale += row * per / kMxfp8BlockSize;
+    return d;
   }
 
   // A vector (norm weight, bias) as fp32.
@@ -65,59 +136,56 @@ class Loader {
   // Rows of several [*, K] views stacked into one [sum counts, K] matrix (column-parallel slices,
   // gate and up halves side by side).
   Tensor row_blocks(const std::vector<RowBlock>& blocks) {
-    const DType dtype = weight_storage_dtype(blocks[0].view->dtype);
+    const DType dtype = storage(blocks[0].view->dtype);
     const int64_t K = blocks[0].view->shape[1];
     int64_t rows = 0;
     for (const auto& b : blocks) rows += b.count;
     Tensor t = alloc(dtype, {rows, K});
-    fill_row_blocks(blocks, static_cast<std::byte*>(t.data), dtype);
+    Dest d = dest(t);
+    fill_row_blocks(blocks, d);
     return t;
   }
-  void fill_row_blocks(const std::vector<RowBlock>& blocks, std::byte* dst, DType dtype) {
+  void fill_row_blocks(const std::vector<RowBlock>& blocks, Dest& d) {
     for (const auto& b : blocks) {
+      check_dtype(*b.view, d.dtype);
       const int64_t K = b.view->shape[1];
-      TPMOE_CHECK(weight_storage_dtype(b.view->dtype) == dtype, "{}: tensor '{}' is {} but its neighbours are {}",
-                  b.view->file, b.view->name, dtype_name(b.view->dtype), dtype_name(dtype));
-      convert(b.view->data + b.begin * K * dtype_size(b.view->dtype), b.view->dtype, dst, dtype, b.count * K);
-      dst += b.count * K * dtype_size(dtype);
+      for (int64_t r = b.begin; r < b.begin + b.count; ++r) copy_row_span(*b.view, r, 0, K, d);
     }
   }
 
-  // Columns [begin, begin+count) of a [N, K] view (row-parallel slice), written at `dst`.
-  void fill_columns(const io::TensorView& v, int64_t begin, int64_t count, std::byte* dst, DType dtype) {
-    const int64_t N = v.shape[0], K = v.shape[1];
-    const size_t es = dtype_size(v.dtype);
-    for (int64_t n = 0; n < N; ++n)
-      convert(v.data + (n * K + begin) * es, v.dtype, dst + n * count * dtype_size(dtype), dtype, count);
+  // Columns [begin, begin+count) of a [N, K] view (row-parallel slice), written at `d`.
+  void fill_columns(const io::TensorView& v, int64_t begin, int64_t count, Dest& d) {
+    check_dtype(v, d.dtype);
+    for (int64_t n = 0; n < v.shape[0]; ++n) copy_row_span(v, n, begin, count, d);
   }
   Tensor columns(const io::TensorView& v, int64_t begin, int64_t count) {
-    const DType dtype = weight_storage_dtype(v.dtype);
-    Tensor t = alloc(dtype, {v.shape[0], count});
-    fill_columns(v, begin, count, static_cast<std::byte*>(t.data), dtype);
+    Tensor t = alloc(storage(v.dtype), {v.shape[0], count});
+    Dest d = dest(t);
+    fill_columns(v, begin, count, d);
     return t;
   }
   // Several column slices of several views side by side: [N, sum counts].
   Tensor column_blocks(const std::vector<RowBlock>& blocks) {
-    const DType dtype = weight_storage_dtype(blocks[0].view->dtype);
+    const DType dtype = storage(blocks[0].view->dtype);
     const int64_t N = blocks[0].view->shape[0];
     int64_t cols = 0;
     for (const auto& b : blocks) cols += b.count;
     Tensor t = alloc(dtype, {N, cols});
-    std::byte* dst = static_cast<std::byte*>(t.data);
-    const size_t es = dtype_size(dtype);
-    for (int64_t n = 0; n < N; ++n) {
-      int64_t c = 0;
-      for (const auto& b : blocks) {
-        convert(b.view->data + (n * b.view->shape[1] + b.begin) * dtype_size(b.view->dtype), b.view->dtype,
-                dst + (n * cols + c) * es, dtype, b.count);
-        c += b.count;
-      }
-    }
+    Dest d = dest(t);
+    for (const auto& b : blocks) check_dtype(*b.view, dtype);
+    for (int64_t n = 0; n < N; ++n)
+      for (const auto& b : blocks) copy_row_span(*b.view, n, b.begin, b.count, d);
     return t;
   }
 
  private:
+  void check_dtype(const io::TensorView& v, DType dtype) const {
+    TPMOE_CHECK(storage(v.dtype) == dtype, "{}: tensor '{}' is {} but its neighbours are {}", v.file, v.name,
+                dtype_name(v.dtype), dtype_name(dtype));
+  }
+
   ModelWeights& w_;
+  LoadOptions options_;
 };
 
 // The rank's slice of shared expert c (of width Is, stored at rows [c*Is, (c+1)*Is) of the shared MLP).
@@ -135,10 +203,10 @@ void load_attention(Loader& L, const io::Checkpoint& ck, const RankShard& s, int
   const ModelConfig& c = ck.config();
   const int64_t H = c.hidden_size, hd = c.head_dim;
   const std::string p = fmt::format("layers.{}.self_attn.", l);
-  const auto q = ck.common(p + "q_proj.weight", {int64_t(c.num_heads) * hd, H});
-  const auto k = ck.common(p + "k_proj.weight", {int64_t(c.num_kv_heads) * hd, H});
-  const auto v = ck.common(p + "v_proj.weight", {int64_t(c.num_kv_heads) * hd, H});
-  const auto o = ck.common(p + "o_proj.weight", {H, int64_t(c.num_heads) * hd});
+  const auto q = ck.linear(p + "q_proj.weight", {int64_t(c.num_heads) * hd, H});
+  const auto k = ck.linear(p + "k_proj.weight", {int64_t(c.num_kv_heads) * hd, H});
+  const auto v = ck.linear(p + "v_proj.weight", {int64_t(c.num_kv_heads) * hd, H});
+  const auto o = ck.linear(p + "o_proj.weight", {H, int64_t(c.num_heads) * hd});
   a.q_proj = L.row_blocks({{&q, s.q_head_begin * hd, s.num_q_heads * hd}});
   a.k_proj = L.row_blocks({{&k, s.kv_head_begin * hd, s.num_kv_heads * hd}});
   a.v_proj = L.row_blocks({{&v, s.kv_head_begin * hd, s.num_kv_heads * hd}});
@@ -168,17 +236,14 @@ void load_moe(Loader& L, const io::Checkpoint& ck, const RankShard& s, const Fus
   const int64_t H = c.hidden_size, E = c.num_experts, I = s.moe_inter, R = plan.shared_expert.physical_rows;
   m.router = L.matrix(ck.router(l));
   m.bias = L.vector(ck.router_bias(l));
-  const DType dtype = weight_storage_dtype(ck.routed_expert(l, 0).gate.dtype);
+  const DType dtype = L.storage(ck.routed_expert(l, 0).gate.dtype);
   m.experts_gate_up = L.alloc(dtype, {R, 2 * I, H});
   m.experts_down = L.alloc(dtype, {R, H, I});
-  auto* gu = static_cast<std::byte*>(m.experts_gate_up.data);
-  auto* dn = static_cast<std::byte*>(m.experts_down.data);
-  const size_t es = dtype_size(dtype);
   for (int64_t e = 0; e < E; ++e) {
     const io::MlpViews ex = ck.routed_expert(l, int(e));
-    L.fill_row_blocks({{&ex.gate, s.moe_inter_begin, I}, {&ex.up, s.moe_inter_begin, I}}, gu + e * 2 * I * H * es,
-                      dtype);
-    L.fill_columns(ex.down, s.moe_inter_begin, I, dn + e * H * I * es, dtype);
+    Dest gu = Loader::dest_row(m.experts_gate_up, e), dn = Loader::dest_row(m.experts_down, e);
+    L.fill_row_blocks({{&ex.gate, s.moe_inter_begin, I}, {&ex.up, s.moe_inter_begin, I}}, gu);
+    L.fill_columns(ex.down, s.moe_inter_begin, I, dn);
   }
   if (c.num_shared_experts == 0) return;
   const io::MlpViews sh = ck.shared_experts(l);
@@ -189,8 +254,9 @@ void load_moe(Loader& L, const io::Checkpoint& ck, const RankShard& s, const Fus
   // Shared expert c becomes physical row E + c: same [2I, H] / [H, I] shape as a routed expert.
   int64_t row = E;
   for (const auto& sl : shared_slices(c, s)) {
-    L.fill_row_blocks({{&sh.gate, sl.begin, sl.count}, {&sh.up, sl.begin, sl.count}}, gu + row * 2 * I * H * es, dtype);
-    L.fill_columns(sh.down, sl.begin, sl.count, dn + row * H * I * es, dtype);
+    Dest gu = Loader::dest_row(m.experts_gate_up, row), dn = Loader::dest_row(m.experts_down, row);
+    L.fill_row_blocks({{&sh.gate, sl.begin, sl.count}, {&sh.up, sl.begin, sl.count}}, gu);
+    L.fill_columns(sh.down, sl.begin, sl.count, dn);
     ++row;
   }
 }
@@ -207,10 +273,11 @@ bool shared_expert_format_matches(const io::Checkpoint& ck) {
   return true;
 }
 
-ModelWeights load_rank_weights(const io::Checkpoint& ck, const RankShard& s, const FusionPlan& plan) {
+ModelWeights load_rank_weights(const io::Checkpoint& ck, const RankShard& s, const FusionPlan& plan,
+                               const LoadOptions& options) {
   const ModelConfig& c = ck.config();
   ModelWeights w;
-  Loader L(w);
+  Loader L(w, options);
   const int64_t H = c.hidden_size;
   w.embed = L.matrix(ck.common("embed_tokens.weight", {c.vocab_size, H}));
   w.final_norm = L.vector(ck.common("norm.weight", {H}));

@@ -47,7 +47,7 @@ class CudaEngine final : public Engine {
   }
 
   void load(const io::Checkpoint& ckpt) {
-    weights_ = cuda::DeviceWeights::upload(load_rank_weights(ckpt, shard_, plan_));
+    weights_ = cuda::DeviceWeights::upload(load_rank_weights(ckpt, shard_, plan_, {.keep_mxfp8 = true}));
     unused_ = ckpt.unused_tensors();
   }
   void generate_preset(uint64_t seed) { weights_ = cuda::DeviceWeights::random_preset(config_, plan_, seed); }

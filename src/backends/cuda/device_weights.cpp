@@ -7,6 +7,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/elementwise.cuh"
+#include "backends/cuda/mxfp8.cuh"
 #include "core/error.h"
 #include "model/presets.h"
 
@@ -24,6 +25,14 @@ Tensor DeviceWeights::alloc_like(const Tensor& s, DType dtype) {
   allocations_.push_back(p);
   t.data = p;
   weights_.bytes += t.nbytes();
+  t.scale = nullptr;
+  if (dtype == DType::kF8E4M3) {  // MXFP8: the E8M0 scales, one byte per 32 elements
+    const size_t scale_bytes = t.nbytes() / kMxfp8BlockSize;
+    CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(scale_bytes, 1)));
+    allocations_.push_back(p);
+    t.scale = p;
+    weights_.bytes += scale_bytes;
+  }
   return t;
 }
 
@@ -37,7 +46,14 @@ std::unique_ptr<DeviceWeights> DeviceWeights::upload(const ModelWeights& host_in
   for_each_tensor(d->weights_, [&](Tensor& dst) {
     const Tensor& s = *src[i++];
     if (s.empty()) return;
-    // Vectors (norms, bias) stay fp32; matrices are bf16 on the device.
+    // Vectors (norms, bias) stay fp32; matrices are bf16 on the device, MXFP8 ones stay FP8 with their
+    // scales (weight-only FP8: widened to bf16 in the GEMMs' registers).
+    if (s.dtype == DType::kF8E4M3) {
+      dst = d->alloc_like(s, DType::kF8E4M3);
+      CUDA_CHECK(cudaMemcpy(dst.data, s.data, s.nbytes(), cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(dst.scale, s.scale, s.nbytes() / kMxfp8BlockSize, cudaMemcpyHostToDevice));
+      return;
+    }
     const DType dtype = s.ndim == 1 ? DType::kF32 : DType::kBF16;
     dst = d->alloc_like(s, dtype);
     if (s.dtype == dtype) {
@@ -75,7 +91,30 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
   ModelWeights& w = d->weights_;
   const int64_t H = c.hidden_size, hd = c.head_dim, V = c.vocab_size;
 
-  auto matrix = [&](std::vector<int64_t> shape, std::vector<Source> sources, float stddev) {
+  // MXFP8 presets (config.quantization says mxfp8): the linears random_weights quantizes are made as
+  // the same bf16 values, then quantized on the device chunk by chunk (bit for bit quantize_mxfp8).
+  const bool mxfp8 = c.quantization.method == QuantMethod::kMxfp8;
+  constexpr int64_t kChunk = int64_t(1) << 26;  // bf16 staging: 128 MiB
+  void* staging = nullptr;
+  if (mxfp8) CUDA_CHECK(cudaMalloc(&staging, size_t(kChunk) * 2));
+  auto qmatrix = [&](std::vector<int64_t> shape, std::vector<Source> sources, float stddev) {
+    Tensor t = shape.size() == 2 ? Tensor::make(nullptr, DType::kF8E4M3, shape[0], shape[1])
+                                 : Tensor::make(nullptr, DType::kF8E4M3, shape[0], shape[1], shape[2]);
+    t = d->alloc_like(t, DType::kF8E4M3);
+    int64_t offset = 0;
+    for (const auto& s : sources) {
+      for (int64_t i = 0; i < s.count; i += kChunk) {
+        const int64_t n = std::min(kChunk, s.count - i);
+        launch_fill_random(staging, false, n, seed, tensor_key(s.name), uint64_t(i), stddev, nullptr);
+        launch_quantize_mxfp8(static_cast<const __nv_bfloat16*>(staging), static_cast<uint8_t*>(t.data) + offset + i,
+                              static_cast<uint8_t*>(t.scale) + (offset + i) / kMxfp8BlockSize, n, nullptr);
+      }
+      offset += s.count;
+    }
+    TPMOE_CHECK(offset == t.numel(), "internal: preset tensor sources cover {} of {} elements", offset, t.numel());
+    return t;
+  };
+  auto bf16_matrix = [&](std::vector<int64_t> shape, std::vector<Source> sources, float stddev) {
     Tensor t = shape.size() == 2 ? Tensor::make(nullptr, DType::kBF16, shape[0], shape[1])
                                  : Tensor::make(nullptr, DType::kBF16, shape[0], shape[1], shape[2]);
     t = d->alloc_like(t, DType::kBF16);
@@ -87,6 +126,11 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
     }
     TPMOE_CHECK(offset == t.numel(), "internal: preset tensor sources cover {} of {} elements", offset, t.numel());
     return t;
+  };
+  // A quantizable linear: MXFP8 in an MXFP8 preset.
+  auto matrix = [&](std::vector<int64_t> shape, std::vector<Source> sources, float stddev) {
+    return mxfp8 ? qmatrix(std::move(shape), std::move(sources), stddev)
+                 : bf16_matrix(std::move(shape), std::move(sources), stddev);
   };
   // Vectors are tiny: made on the host exactly as random_weights makes them (rounded to the
   // checkpoint dtype when it is bf16), then widened to fp32.
@@ -101,9 +145,9 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
     return t;
   };
 
-  w.embed = matrix({V, H}, {{"model.embed_tokens.weight", V * H}}, kEmbedStd);
+  w.embed = bf16_matrix({V, H}, {{"model.embed_tokens.weight", V * H}}, kEmbedStd);
   w.final_norm = vector("model.norm.weight", H, kNormStd, true);
-  w.lm_head = matrix({V, H}, {{"lm_head.weight", V * H}}, kMatrixStd);
+  w.lm_head = bf16_matrix({V, H}, {{"lm_head.weight", V * H}}, kMatrixStd);
   w.layers.resize(size_t(c.num_layers));
   for (int l = 0; l < c.num_layers; ++l) {
     LayerWeights& lw = w.layers[l];
@@ -132,7 +176,7 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
     }
     const int64_t E = c.num_experts, I = c.moe_intermediate_size, R = plan.shared_expert.physical_rows;
     const int64_t Is = int64_t(c.num_shared_experts) * c.shared_intermediate_size;
-    lw.moe.router = matrix({E, H}, {{p + "mlp.gate.weight", E * H}}, kMatrixStd);
+    lw.moe.router = bf16_matrix({E, H}, {{p + "mlp.gate.weight", E * H}}, kMatrixStd);
     lw.moe.bias = vector(p + "mlp.gate.e_score_correction_bias", E, kBiasStd, false);
     std::vector<Source> gate_up{{p + "mlp.experts.gate_up_proj", E * 2 * I * H}};
     std::vector<Source> down{{p + "mlp.experts.down_proj", E * H * I}};
@@ -152,6 +196,7 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
     lw.moe.experts_down = matrix({R, H, I}, down, kMatrixStd);
   }
   CUDA_CHECK(cudaDeviceSynchronize());
+  if (staging) CUDA_CHECK(cudaFree(staging));
   return d;
 }
 

@@ -94,7 +94,7 @@ class TpEngine final : public Engine {
   void load(const io::Checkpoint& ckpt) {
     for (auto& r : ranks_) {
       CUDA_CHECK(cudaSetDevice(r.device));
-      r.weights = DeviceWeights::upload(load_rank_weights(ckpt, r.shard, plan_));
+      r.weights = DeviceWeights::upload(load_rank_weights(ckpt, r.shard, plan_, {.keep_mxfp8 = true}));
     }
     unused_ = ckpt.unused_tensors();
   }
