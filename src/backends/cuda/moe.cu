@@ -333,15 +333,15 @@ template <>
 struct GemmShape<false, false, 4> {
   static constexpr int MT = 2, U = 2;
 };
-// MXFP8 weights: the same tiles. An FP8 lane holds half the weight bytes of a bf16 one per chunk but
-// the same activation bytes, so with the activations in registers too the weight bytes in flight
-// halve (measured: 1.96x the floor at one token with U = 8). So the FP8 kernels load only weights
-// ahead (U chunks) and read each chunk's activations (small, L1/L2-resident) right before its mma,
-// which lets U double within the bf16 kernels' registers (checked with -Xptxas -v: no spills).
-// With U a multiple of 4 a lane reads the scales of 4 chunks as one 32-bit word.
+// MXFP8 weights: the same tiles; U as large as fits the registers of the bf16 kernel's occupancy
+// without spilling (measured with -Xptxas -v: U = 12 for the bm = 8 gate_up and U = 8 for the bm = 8
+// down spill). With U a multiple of 4 a lane reads the scales of 4 chunks as one 32-bit word.
+// Tried and measured slower on an H200 (bench_moe --dtype mxfp8, commit f8b6f26): reading each
+// chunk's activations right before its mma to free registers for U = 16 / 8 (T = 1: 168 us against
+// 135 us here; T = 8: 686 against 583).
 template <>
 struct GemmShape<true, true, 1> {
-  static constexpr int MT = 1, U = 16;
+  static constexpr int MT = 1, U = 8;
 };
 template <>
 struct GemmShape<true, true, 2> {
@@ -349,11 +349,11 @@ struct GemmShape<true, true, 2> {
 };
 template <>
 struct GemmShape<true, true, 4> {
-  static constexpr int MT = 2, U = 4;
+  static constexpr int MT = 2, U = 2;
 };
 template <>
 struct GemmShape<true, false, 1> {
-  static constexpr int MT = 2, U = 8;
+  static constexpr int MT = 2, U = 4;
 };
 template <>
 struct GemmShape<true, false, 2> {
@@ -361,7 +361,7 @@ struct GemmShape<true, false, 2> {
 };
 template <>
 struct GemmShape<true, false, 4> {
-  static constexpr int MT = 2, U = 4;
+  static constexpr int MT = 2, U = 2;
 };
 
 template <bool kGateUp, int NT>
@@ -582,8 +582,7 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
   const bool scale_vec = p.scale_vec && U % 4 == 0;
   for (int base = warp * U; base < num_chunks; base += kGemmWarps * U) {
     WRaw a[U][MT][2];
-    constexpr bool kLateB = kFp8;  // activations read per chunk, right before its mma (GemmShape)
-    uint4 b[kLateB ? 1 : U][NT];
+    uint4 b[U][NT];
     uint32_t sc[kScaleWords][MT][2];  // MXFP8: byte j of word i = scale of chunk base + 4i + j
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -600,11 +599,9 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
             a[u][mt][h] =
                 live ? load8_w(reinterpret_cast<const uint16_t*>(a_row[mt][h]), k, K, p.vec) : make_uint4(0, 0, 0, 0);
         }
-      if constexpr (!kLateB) {
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
-          b[u][nt] = (live && b_row[nt]) ? load8(b_row[nt], k, K, p.vec) : make_uint4(0, 0, 0, 0);
-      }
+      for (int nt = 0; nt < NT; ++nt)
+        b[u][nt] = (live && b_row[nt]) ? load8(b_row[nt], k, K, p.vec) : make_uint4(0, 0, 0, 0);
     }
     if constexpr (kFp8) {
 #pragma unroll
@@ -617,14 +614,6 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + u >= num_chunks) break;
-      uint4 bu[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if constexpr (kLateB)
-          bu[nt] = b_row[nt] ? load8(b_row[nt], (base + u) * 32 + 8 * t, K, p.vec) : make_uint4(0, 0, 0, 0);
-        else
-          bu[nt] = b[u][nt];
-      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         uint4 ra, rb;  // rows g and g + 8 as bf16
@@ -638,8 +627,8 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           if (nt * 8 >= cnt) break;  // warp-uniform: empty n-tiles cost nothing
-          mma_bf16_16816(acc[mt][nt], ra.x, rb.x, ra.y, rb.y, bu[nt].x, bu[nt].y);
-          mma_bf16_16816(acc[mt][nt], ra.z, rb.z, ra.w, rb.w, bu[nt].z, bu[nt].w);
+          mma_bf16_16816(acc[mt][nt], ra.x, rb.x, ra.y, rb.y, b[u][nt].x, b[u][nt].y);
+          mma_bf16_16816(acc[mt][nt], ra.z, rb.z, ra.w, rb.w, b[u][nt].z, b[u][nt].w);
         }
       }
     }
