@@ -175,9 +175,10 @@ struct MakeModelFlags {
 };
 
 void run_make_model(const MakeModelFlags& f) {
-  const ModelConfig config = preset_config(f.preset, f.layers);
+  ModelConfig config = preset_config(f.preset, f.layers);
   const auto layout = f.layout == "hub" ? io::CheckpointLayout::kHub : io::CheckpointLayout::kTransformers;
-  const DType dtype = f.dtype == "f32" ? DType::kF32 : DType::kBF16;
+  const DType dtype = f.dtype == "f32" ? DType::kF32 : f.dtype == "mxfp8" ? DType::kF8E4M3 : DType::kBF16;
+  if (dtype == DType::kF8E4M3) set_mxfp8(config);  // quantized linears + quantization_config
   io::write_checkpoint(f.out, config, random_weights(config, f.seed, dtype), layout, f.shards);
   fmt::print("wrote {} ({}, {} layers, {} shard(s))\n", f.out, io::layout_name(layout), config.num_layers, f.shards);
 }
@@ -287,7 +288,7 @@ int main(int argc, char** argv) {
   m->add_option("--layout", mk.layout, "hf (transformers, layout A) or hub (original files, layout B)")
       ->check(CLI::IsMember({"hf", "hub"}));
   m->add_option("--seed", mk.seed, "random seed");
-  m->add_option("--dtype", mk.dtype, "bf16 or f32")->check(CLI::IsMember({"bf16", "f32"}));
+  m->add_option("--dtype", mk.dtype, "bf16, f32 or mxfp8")->check(CLI::IsMember({"bf16", "f32", "mxfp8"}));
   m->add_option("--shards", mk.shards, "number of safetensors shards (an index is written when > 1)")
       ->check(CLI::PositiveNumber);
 
