@@ -8,11 +8,16 @@
 // Floor = (distinct expert rows touched, shared included) * 3*I*H*2 bytes + activations (x in,
 // out, router logits), over the read-only bandwidth measured at the start of the run (bandwidth.cu).
 //
-//   bench_moe [--json PATH] [--reps N] [--ablate]
+// --dtype mxfp8: the same layer with MXFP8 expert weights (weight-only FP8: e4m3 in memory, widened to
+// bf16 in registers, one E8M0 scale per 32 inputs); the floor counts 3*I*H*(1 + 1/32) bytes per
+// distinct row. The unfused and cuBLASLt baselines are bf16-only and are not run.
+//
+//   bench_moe [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -29,6 +34,7 @@
 #include "backends/cuda/elementwise.cuh"
 #include "backends/cuda/gemm.h"
 #include "backends/cuda/moe.cuh"
+#include "backends/cuda/mxfp8.cuh"
 #include "tpmoe/tpmoe.h"
 
 namespace {
@@ -104,6 +110,7 @@ int main(int argc, char** argv) {
   std::string json_path;
   int reps = 25;
   bool ablate = false;
+  bool mxfp8 = false;
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
@@ -111,8 +118,12 @@ int main(int argc, char** argv) {
       reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--ablate"))
       ablate = true;
+    else if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc && !std::strcmp(argv[i + 1], "mxfp8"))
+      mxfp8 = (++i, true);
+    else if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc && !std::strcmp(argv[i + 1], "bf16"))
+      ++i;
     else {
-      std::fprintf(stderr, "usage: %s [--json PATH] [--reps N] [--ablate]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8]\n", argv[0]);
       return 2;
     }
   }
@@ -122,8 +133,8 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf(
         "device: %s (%d SMs), read bandwidth %.1f GB/s (read-only stream: the floor's ceiling), D2D copy %.1f "
-        "GB/s (read + write)\n",
-        prop.name, prop.multiProcessorCount, bw / 1e9, copy_bw / 1e9);
+        "GB/s (read + write); expert weights %s\n",
+        prop.name, prop.multiProcessorCount, bw / 1e9, copy_bw / 1e9, mxfp8 ? "MXFP8" : "bf16");
 
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -147,6 +158,16 @@ int main(int argc, char** argv) {
       auto* down = dalloc<__nv_bfloat16>(kRows * dn_row);
       fill_random(gate_up, false, int64_t(kRows * gu_row), 1, 11, 0.02f, stream);
       fill_random(down, false, int64_t(kRows * dn_row), 1, 12, 0.02f, stream);
+      // MXFP8: the same values quantized (the bf16 copies above serve as staging).
+      uint8_t *gate_up8 = nullptr, *down8 = nullptr, *gate_up_s = nullptr, *down_s = nullptr;
+      if (mxfp8) {
+        gate_up8 = dalloc<uint8_t>(kRows * gu_row);
+        down8 = dalloc<uint8_t>(kRows * dn_row);
+        gate_up_s = dalloc<uint8_t>(kRows * gu_row / 32);
+        down_s = dalloc<uint8_t>(kRows * dn_row / 32);
+        tpmoe::cuda::launch_quantize_mxfp8(gate_up, gate_up8, gate_up_s, int64_t(kRows * gu_row), stream);
+        tpmoe::cuda::launch_quantize_mxfp8(down, down8, down_s, int64_t(kRows * dn_row), stream);
+      }
       auto* x = dalloc<__nv_bfloat16>(size_t(max_T) * H);
       fill_random(x, false, int64_t(max_T) * H, 2, 1, 1.f, stream);
       auto* logits = dalloc<float>(size_t(max_T) * kExperts);
@@ -195,6 +216,12 @@ int main(int argc, char** argv) {
         mp.slot_weights = wts;
         mp.gate_up = gate_up;
         mp.down = down;
+        if (mxfp8) {
+          mp.gate_up = gate_up8;
+          mp.down = down8;
+          mp.gate_up_scale = gate_up_s;
+          mp.down_scale = down_s;
+        }
         mp.out = out;
         mp.num_tokens = T;
         mp.slots = slots;
@@ -232,7 +259,7 @@ int main(int argc, char** argv) {
         CUDA_CHECK(cudaMemcpy(tok_list, h_tok.data(), h_tok.size() * 4, cudaMemcpyHostToDevice));
         CUDA_CHECK(cudaMemcpy(w_list, h_wl.data(), h_wl.size() * 4, cudaMemcpyHostToDevice));
 
-        const double weight_bytes = double(distinct) * 3.0 * I * H * 2;
+        const double weight_bytes = double(distinct) * 3.0 * I * H * (mxfp8 ? 1.0 + 1.0 / 32 : 2.0);
         const double act_bytes = double(T) * H * 2 * 2 + double(T) * kExperts * 4;
         const double bytes = weight_bytes + act_bytes;
         const double floor_us = bytes / bw * 1e6;
@@ -264,8 +291,8 @@ int main(int argc, char** argv) {
         };
 
         const double t_fused = timer.time(fused);
-        const double t_unfused = timer.time(unfused);
-        const double t_base = timer.time(baseline);
+        const double t_unfused = mxfp8 ? NAN : timer.time(unfused);
+        const double t_base = mxfp8 ? NAN : timer.time(baseline);
         const double gbs = bytes / (t_fused * 1e-6) / 1e9;
         const double pct = 100.0 * bytes / (t_fused * 1e-6) / bw;
         const double ratio = t_fused / floor_us;
@@ -286,7 +313,8 @@ int main(int argc, char** argv) {
                         {"unfused_us", t_unfused},
                         {"fused_gain_pct", gain},
                         {"baseline_us", t_base},
-                        {"vs_baseline", vs_base}});
+                        {"vs_baseline", vs_base},
+                        {"dtype", mxfp8 ? "mxfp8" : "bf16"}});
 
         if (ablate) {
           struct Variant {
@@ -322,8 +350,9 @@ int main(int argc, char** argv) {
           ablation_lines.push_back(line);
         }
       }
-      for (void* p : std::vector<void*>{gate_up, down, x, logits, bias, ids, wts, ids_u, wts_u, out, ws, gu_buf, a_buf,
-                                        ys_buf, xg_buf, yf_buf, acc_buf, tok_list, w_list})
+      for (void* p : std::vector<void*>{gate_up, down,     x,      logits,   bias,  ids,       wts,    ids_u,
+                                        wts_u,   out,      ws,     gu_buf,   a_buf, ys_buf,    xg_buf, yf_buf,
+                                        acc_buf, tok_list, w_list, gate_up8, down8, gate_up_s, down_s})
         CUDA_CHECK(cudaFree(p));
     }
     if (ablate) {

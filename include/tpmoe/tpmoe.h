@@ -31,6 +31,8 @@ struct EngineOptions {
   // collectives replaced by a local stand-in), to measure a rank of a deployment larger than the
   // machine. Its logits are not the model's.
   int emulate_tp = 0;
+  // Presets only: "bf16", or "mxfp8" (the linears MXFP8 quantizes as FP8 + E8M0 scales, SPEC §3).
+  std::string preset_dtype = "bf16";
 };
 
 struct GenerateRequest {

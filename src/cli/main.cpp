@@ -53,6 +53,7 @@ struct ModelFlags {
   bool profile_ops = false;
   std::string allreduce_path = "auto";
   int emulate_tp = 0;
+  std::string preset_dtype = "bf16";
 
   void add_to(CLI::App* app, bool with_device = true) {
     app->add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)");
@@ -71,6 +72,8 @@ struct ModelFlags {
                     "run only rank 0 of a tp-N group on one device (its shard and plan, collectives replaced by a "
                     "local stand-in): one rank's step time of a deployment larger than this machine")
         ->check(CLI::PositiveNumber);
+    app->add_option("--dtype", preset_dtype, "weights of a --preset: bf16, or mxfp8 (weight-only FP8 linears)")
+        ->check(CLI::IsMember({"bf16", "mxfp8"}));
     app->add_option("--allreduce-path", allreduce_path, "cuda, tp > 1: force one all-reduce path for every size")
         ->check(CLI::IsMember({"auto", "push", "oneshot", "twoshot", "nccl"}));
   }
@@ -85,6 +88,7 @@ struct ModelFlags {
     o.profile_ops = profile_ops;
     o.allreduce_path = allreduce_path;
     o.emulate_tp = emulate_tp;
+    o.preset_dtype = preset_dtype;
     return o;
   }
   std::unique_ptr<Engine> load(const EngineOptions& o) const {
@@ -190,9 +194,10 @@ struct MakeModelFlags {
 };
 
 void run_make_model(const MakeModelFlags& f) {
-  const ModelConfig config = preset_config(f.preset, f.layers);
+  ModelConfig config = preset_config(f.preset, f.layers);
   const auto layout = f.layout == "hub" ? io::CheckpointLayout::kHub : io::CheckpointLayout::kTransformers;
-  const DType dtype = f.dtype == "f32" ? DType::kF32 : DType::kBF16;
+  const DType dtype = f.dtype == "f32" ? DType::kF32 : f.dtype == "mxfp8" ? DType::kF8E4M3 : DType::kBF16;
+  if (dtype == DType::kF8E4M3) set_mxfp8(config);  // quantized linears + quantization_config
   io::write_checkpoint(f.out, config, random_weights(config, f.seed, dtype), layout, f.shards);
   fmt::print("wrote {} ({}, {} layers, {} shard(s))\n", f.out, io::layout_name(layout), config.num_layers, f.shards);
 }
@@ -264,6 +269,7 @@ void run_bench(const BenchFlags& f) {
   o.device = f.model.resolved_device();
   o.tp = f.model.tp;
   o.emulate_tp = f.model.emulate_tp;
+  o.preset_dtype = f.model.preset_dtype;
   o.threads = f.model.threads;
   if (!f.batches.empty()) o.batches = parse_int_list(f.batches, "--batch");
   const bool cuda = o.device == "cuda";
@@ -312,7 +318,7 @@ int main(int argc, char** argv) {
   m->add_option("--layout", mk.layout, "hf (transformers, layout A) or hub (original files, layout B)")
       ->check(CLI::IsMember({"hf", "hub"}));
   m->add_option("--seed", mk.seed, "random seed");
-  m->add_option("--dtype", mk.dtype, "bf16 or f32")->check(CLI::IsMember({"bf16", "f32"}));
+  m->add_option("--dtype", mk.dtype, "bf16, f32 or mxfp8")->check(CLI::IsMember({"bf16", "f32", "mxfp8"}));
   m->add_option("--shards", mk.shards, "number of safetensors shards (an index is written when > 1)")
       ->check(CLI::PositiveNumber);
 

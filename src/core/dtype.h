@@ -8,7 +8,9 @@
 
 namespace tpmoe {
 
-enum class DType : uint8_t { kBF16, kF16, kF32, kF64, kI64, kI32, kI16, kI8, kU8, kBool };
+// kF8E4M3: float8_e4m3fn (MXFP8 weights); kF8E8M0: a biased power-of-two exponent (MXFP8 block
+// scales when saved as torch.float8_e8m0fnu rather than uint8).
+enum class DType : uint8_t { kBF16, kF16, kF32, kF64, kI64, kI32, kI16, kI8, kU8, kBool, kF8E4M3, kF8E8M0 };
 
 // Bytes per element.
 size_t dtype_size(DType t);
@@ -35,5 +37,17 @@ inline uint16_t f32_to_bf16(float f) {
 }
 
 float f16_to_f32(uint16_t v);
+
+// float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; no infinities, S.1111.111 is NaN,
+// largest finite 448. Widening is exact.
+float fp8_e4m3_to_f32(uint8_t v);
+// Round to nearest even, saturating finite values beyond 448 to +-448 (as quantizers clamp before
+// the cast); NaN stays NaN.
+uint8_t f32_to_fp8_e4m3(float f);
+
+// MXFP8 block scale: a biased E8M0 exponent, 2^(s - 127); 255 is NaN.
+inline constexpr int kMxfp8BlockSize = 32;
+inline constexpr uint8_t kE8M0Nan = 255;
+float e8m0_to_f32(uint8_t s);
 
 }  // namespace tpmoe

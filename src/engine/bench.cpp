@@ -116,7 +116,8 @@ BenchReport run_bench(const BenchOptions& o) {
   report.warmup = o.warmup;
   if (o.model_dir.empty()) {
     const ModelConfig config = preset_config(o.preset, o.layers);
-    report.model = fmt::format("preset {}, {} layers", o.preset, config.num_layers);
+    report.model = fmt::format("preset {}, {} layers{}", o.preset, config.num_layers,
+                               o.preset_dtype == "mxfp8" ? ", MXFP8 linears" : "");
     // --preset m3 --layers N: full-width layers, N of the real 60; extrapolate to the full model.
     const int full = preset_config(o.preset).num_layers;
     if (o.preset == "m3" && config.num_layers != full) {
@@ -147,6 +148,7 @@ BenchReport run_bench(const BenchOptions& o) {
     EngineOptions eo;
     eo.tp = o.tp;
     eo.emulate_tp = o.emulate_tp;
+    eo.preset_dtype = o.preset_dtype;
     eo.device = o.device;
     eo.threads = o.threads;
     eo.shared_expert_fusion = s.shared_expert_fusion;

@@ -38,7 +38,8 @@ struct BenchOptions {
   uint64_t seed = 0;
   std::string device = "cpu";
   int tp = 1;
-  int emulate_tp = 0;  // > 0: rank 0 of a tp-N group on one device (EngineOptions::emulate_tp)
+  int emulate_tp = 0;                 // > 0: rank 0 of a tp-N group on one device (EngineOptions::emulate_tp)
+  std::string preset_dtype = "bf16";  // bf16 or mxfp8 (EngineOptions::preset_dtype)
   int threads = 0;
   std::vector<int> batches;  // empty: default_batches(device)
   int prompt_len = 32;

@@ -113,9 +113,11 @@ class SpmdEngine final : public Engine {
   double decode_weight_bytes(int batch, const std::vector<int>* routed_experts_per_layer) const override {
     std::vector<double> routed;
     if (routed_experts_per_layer) routed.assign(routed_experts_per_layer->begin(), routed_experts_per_layer->end());
+    // The bytes as the device holds them: bf16 matrices on the GPU (MXFP8 linears as FP8 + scales),
+    // the checkpoint's dtype on the CPU.
     return tpmoe::decode_weight_bytes(config_, RankShard::make(config_, layout_, 0), plan_, batch,
                                       options_.device == "cuda" ? DType::kBF16 : group_weight_dtype(),
-                                      routed_experts_per_layer ? &routed : nullptr);
+                                      routed_experts_per_layer ? &routed : nullptr, options_.device == "cuda");
   }
   const std::vector<std::string>& unknown_tensors() const override { return unused_; }
   bool is_primary() const override { return launch_.local_ranks.front() == 0; }
@@ -251,7 +253,11 @@ std::unique_ptr<Engine> Engine::from_preset(const std::string& preset, std::opti
   check_device(options.device);
   WeightSource source;
   source.preset_seed = seed;
-  return std::make_unique<SpmdEngine>(preset_config(preset, layers), options, source, true);
+  ModelConfig config = preset_config(preset, layers);
+  TPMOE_CHECK(options.preset_dtype == "bf16" || options.preset_dtype == "mxfp8",
+              "preset dtype must be bf16 or mxfp8, got '{}'", options.preset_dtype);
+  if (options.preset_dtype == "mxfp8") set_mxfp8(config);
+  return std::make_unique<SpmdEngine>(config, options, source, true);
 }
 
 }  // namespace tpmoe

@@ -38,13 +38,22 @@ int64_t numel(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// Bytes per element of a table entry as it is held.
+double element_bytes(const ModelConfig& c, const WeightEntry& e, DType matrix_dtype, bool mxfp8_kept) {
+  if (e.vector) return sizeof(float);
+  if (mxfp8_kept && c.quantization.method == QuantMethod::kMxfp8 && preset_mxfp8_quantized(e.blocks.front().source))
+    return 1.0 + 1.0 / kMxfp8BlockSize;  // e4m3 + one E8M0 scale per 32
+  return double(dtype_size(matrix_dtype));
+}
+
 }  // namespace
 
-size_t rank_weight_bytes(const ModelConfig& c, const RankShard& s, const FusionPlan& plan, DType matrix_dtype) {
-  size_t bytes = 0;
+size_t rank_weight_bytes(const ModelConfig& c, const RankShard& s, const FusionPlan& plan, DType matrix_dtype,
+                         bool mxfp8_kept) {
+  double bytes = 0;
   for (const WeightEntry& e : rank_weight_table(c, s, plan))
-    bytes += size_t(numel(e.shape)) * (e.vector ? sizeof(float) : dtype_size(matrix_dtype));
-  return bytes;
+    bytes += double(numel(e.shape)) * element_bytes(c, e, matrix_dtype, mxfp8_kept);
+  return size_t(bytes);
 }
 
 double expected_distinct_experts(const ModelConfig& c, int batch) {
@@ -53,10 +62,10 @@ double expected_distinct_experts(const ModelConfig& c, int batch) {
 }
 
 double decode_weight_bytes(const ModelConfig& c, const RankShard& s, const FusionPlan& plan, int batch,
-                           DType matrix_dtype, const std::vector<double>* routed_experts_per_layer) {
+                           DType matrix_dtype, const std::vector<double>* routed_experts_per_layer, bool mxfp8_kept) {
   double bytes = 0;
   for (const WeightEntry& e : rank_weight_table(c, s, plan)) {
-    const double elem = e.vector ? sizeof(float) : double(dtype_size(matrix_dtype));
+    const double elem = element_bytes(c, e, matrix_dtype, mxfp8_kept);
     const double row = double(numel(e.shape)) / double(e.shape[0]) * elem;  // bytes of one dim-0 row
     switch (e.read) {
       case StepRead::kWhole: bytes += row * double(e.shape[0]); break;

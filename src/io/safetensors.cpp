@@ -137,6 +137,7 @@ TensorView TensorView::index(int64_t i) const {
   v.name = fmt::format("{}[{}]", name, i);
   v.shape.erase(v.shape.begin());
   v.data = data + size_t(i) * v.nbytes();
+  if (scale) v.scale = scale + size_t(i) * size_t(v.numel() / v.shape.back()) * size_t(v.scale_row_bytes());
   return v;
 }
 
@@ -149,8 +150,10 @@ TensorView TensorView::rows(int64_t start, int64_t count) const {
   v.name = fmt::format("{}[{}:{}]", name, start, start + count);
   v.shape[0] = 1;
   const size_t row_bytes = v.nbytes();
+  const int64_t row_numel = v.numel();
   v.shape[0] = count;
   v.data = data + size_t(start) * row_bytes;
+  if (scale) v.scale = scale + size_t(start) * size_t(row_numel / v.shape.back()) * size_t(v.scale_row_bytes());
   return v;
 }
 

@@ -30,8 +30,14 @@ struct TensorView {
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
   const std::byte* data = nullptr;
+  // MXFP8 weights (dtype F8_E4M3) only: the uint8 E8M0 block exponents, shape = shape with the last
+  // dimension divided by 32, attached by the checkpoint from the sibling "*_scale_inv" tensor.
+  // index() and rows() slice it in step with the data.
+  const std::byte* scale = nullptr;
 
   int64_t numel() const;
+  // Bytes of the scale for one last-dimension row (0 without a scale).
+  int64_t scale_row_bytes() const { return scale && !shape.empty() ? shape.back() / kMxfp8BlockSize : 0; }
   size_t nbytes() const { return size_t(numel()) * dtype_size(dtype); }
   // Element i of dimension 0, as a view of rank-1 lower (a row of a matrix, an expert of a stack).
   TensorView index(int64_t i) const;

@@ -27,6 +27,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace tpmoe {
@@ -315,6 +316,62 @@ ModelConfig parse_text_config(const Fields& f) {
   return c;
 }
 
+constexpr const char* kMxfp8Method = "mxfp8";
+
+// quantization_config: {"quant_method": "mxfp8", "weight_block_size": [1, 32], "ignored_layers": [..]}.
+QuantizationConfig parse_quantization(const json& q, const std::string& origin) {
+  const std::string field = "quantization_config";
+  TPMOE_CHECK(q.is_object(), "{}: field '{}' must be an object, got {}", origin, field, brief(q));
+  QuantizationConfig out;
+  const auto method = q.find("quant_method");
+  TPMOE_CHECK(method != q.end() && method->is_string(), "{}: field '{}.quant_method' must be a string, got {}", origin,
+              field, method == q.end() ? "nothing" : brief(*method));
+  TPMOE_CHECK(*method == kMxfp8Method,
+              "{}: field '{}.quant_method' is {}; tpmoe reads bf16/fp32 checkpoints and the \"{}\" variant only",
+              origin, field, brief(*method), kMxfp8Method);
+  out.method = QuantMethod::kMxfp8;
+  if (const auto bs = q.find("weight_block_size"); bs != q.end() && !bs->is_null()) {
+    const bool ok =
+        bs->is_array() && bs->size() == 2 && integer_value((*bs)[0]) == 1 && integer_value((*bs)[1]) == kMxfp8BlockSize;
+    TPMOE_CHECK(ok, "{}: field '{}.weight_block_size' must be [1, {}] for mxfp8, got {}", origin, field,
+                kMxfp8BlockSize, brief(*bs));
+  }
+  if (const auto f = q.find("fmt"); f != q.end() && !f->is_null())
+    TPMOE_CHECK(*f == "e4m3", "{}: field '{}.fmt' must be \"e4m3\" for mxfp8, got {}", origin, field, brief(*f));
+  if (const auto ig = q.find("ignored_layers"); ig != q.end() && !ig->is_null()) {
+    TPMOE_CHECK(ig->is_array(), "{}: field '{}.ignored_layers' must be a list, got {}", origin, field, brief(*ig));
+    for (size_t i = 0; i < ig->size(); ++i) {
+      TPMOE_CHECK((*ig)[i].is_string(), "{}: field '{}.ignored_layers[{}]' must be a string, got {}", origin, field, i,
+                  brief((*ig)[i]));
+      out.ignored_layers.push_back((*ig)[i].get<std::string>());
+    }
+  }
+  return out;
+}
+
+json quantization_json(const QuantizationConfig& q) {
+  return {{"quant_method", kMxfp8Method},
+          {"weight_block_size", {1, kMxfp8BlockSize}},
+          {"fmt", "e4m3"},
+          {"ignored_layers", q.ignored_layers}};
+}
+
+// The quantization_config of either form: at the top level (where the hub files keep it) or inside
+// text_config; when both are present they must agree.
+QuantizationConfig find_quantization(const json& top, const json* text, const std::string& origin) {
+  const json* a = top.contains("quantization_config") && !top["quantization_config"].is_null()
+                      ? &top["quantization_config"]
+                      : nullptr;
+  const json* b = text && text->contains("quantization_config") && !(*text)["quantization_config"].is_null()
+                      ? &(*text)["quantization_config"]
+                      : nullptr;
+  TPMOE_CHECK(!(a && b && *a != *b), "{}: 'quantization_config' differs between the top level and 'text_config'",
+              origin);
+  if (a) return parse_quantization(*a, origin);
+  if (b) return parse_quantization(*b, origin + " [text_config]");
+  return {};
+}
+
 }  // namespace
 
 bool ModelConfig::any_sparse_attention() const {
@@ -339,6 +396,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& o
                   brief(*text_config));
       const std::string text_origin = origin + " [text_config]";
       ModelConfig c = parse_text_config(Fields(*text_config, text_origin));
+      c.quantization = find_quantization(j, &*text_config, origin);
       c.validate(text_origin);
       return c;
     }
@@ -352,6 +410,7 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j, const std::string& o
                   origin, brief(*mt), kTextModelType, kMultimodalModelType);
     }
     ModelConfig c = parse_text_config(Fields(j, origin));
+    c.quantization = find_quantization(j, nullptr, origin);
     c.validate(origin);
     return c;
   } catch (const nlohmann::json::exception& e) {
@@ -473,13 +532,17 @@ nlohmann::json ModelConfig::to_json(JsonForm form) const {
     for (MlpType m : mlp_layer_types) mlps.push_back(int(m));
     t["sparse_attention_config"]["sparse_attention_freq"] = std::move(layers);
     t["moe_layer_freq"] = std::move(mlps);
-    return {
+    json out = {
         {"model_type", kMultimodalModelType},
         {"architectures", {"MiniMaxM3VLForConditionalGeneration"}},
         {"vision_config",
          {{"model_type", "minimax_m3_vl_vision"}, {"hidden_size", 64}, {"num_hidden_layers", 1}, {"patch_size", 14}}},
         {"text_config", std::move(t)}};
+    // The hub files keep quantization_config at the top level.
+    if (quantization.method == QuantMethod::kMxfp8) out["quantization_config"] = quantization_json(quantization);
+    return out;
   }
+  if (quantization.method == QuantMethod::kMxfp8) t["quantization_config"] = quantization_json(quantization);
   t["rotary_dim"] = rotary_dim;
   t["rope_parameters"] = {{"rope_theta", rope_theta}, {"partial_rotary_factor", factor}, {"rope_type", "default"}};
   for (AttentionType a : layer_types) layers.push_back(kAttentionNames[int(a)]);

@@ -14,6 +14,15 @@ namespace tpmoe {
 enum class AttentionType { kFull, kSparse };  // "full_attention" / "minimax_m3_sparse"
 enum class MlpType { kDense, kMoe };          // "dense" / "sparse"
 
+// config.json's `quantization_config` (SPEC §3, MXFP8 variant). Only quant_method "mxfp8" with
+// weight_block_size [1, 32] is accepted; which tensors are quantized is read from their dtypes (an
+// F8_E4M3 weight with its uint8 `weight_scale_inv`), checked against where quantization may occur.
+enum class QuantMethod { kNone, kMxfp8 };
+struct QuantizationConfig {
+  QuantMethod method = QuantMethod::kNone;
+  std::vector<std::string> ignored_layers;  // as written; informational (the tensors' dtypes decide)
+};
+
 struct ModelConfig {
   int hidden_size = 0;          // H
   int num_layers = 0;           // num_hidden_layers
@@ -46,6 +55,7 @@ struct ModelConfig {
   std::vector<int32_t> eos_token_ids;      // `eos_token_id` (one id or a list): where generation may end
   std::vector<AttentionType> layer_types;  // size num_layers
   std::vector<MlpType> mlp_layer_types;    // size num_layers
+  QuantizationConfig quantization;         // top level or inside text_config
 
   bool any_sparse_attention() const;
   bool any_moe() const;

@@ -1,6 +1,8 @@
 #include "model/presets.h"
 
+#include <algorithm>
 #include <cmath>
+#include <string_view>
 #include <vector>
 
 #include "core/error.h"
@@ -95,7 +97,44 @@ float random_value(uint64_t seed, uint64_t key, uint64_t index, float stddev) {
   return (2.f * unit - 1.f) * 1.7320508f * stddev;
 }
 
+std::pair<io::OwnedTensor, io::OwnedTensor> quantize_mxfp8(const std::vector<int64_t>& shape,
+                                                           std::span<const float> values) {
+  TPMOE_CHECK(!shape.empty() && shape.back() % kMxfp8BlockSize == 0,
+              "quantize_mxfp8: the last dimension must be a multiple of {}", kMxfp8BlockSize);
+  const size_t blocks = values.size() / kMxfp8BlockSize;
+  io::OwnedTensor q{DType::kF8E4M3, shape, std::vector<std::byte>(values.size())};
+  std::vector<int64_t> scale_shape = shape;
+  scale_shape.back() /= kMxfp8BlockSize;
+  io::OwnedTensor s{DType::kU8, scale_shape, std::vector<std::byte>(blocks)};
+#pragma omp parallel for
+  for (int64_t b = 0; b < int64_t(blocks); ++b) {
+    const float* v = values.data() + b * kMxfp8BlockSize;
+    float amax = 0.f;
+    for (int i = 0; i < kMxfp8BlockSize; ++i) amax = std::max(amax, std::fabs(v[i]));
+    // Smallest e with amax / 2^e <= 448 (with amax in [2^E, 2^(E+1)): E - 8 or E - 7), found without
+    // log2 rounding so the device generator (launch_quantize_mxfp8) gets the same bits; all zeros: 2^0.
+    int e = 0;
+    if (amax > 0) {
+      const int E = std::ilogb(amax);
+      e = E - 8 + (std::ldexp(amax, 8 - E) > 448.f ? 1 : 0);
+    }
+    e = std::clamp(e, -127, 127);
+    s.bytes[b] = std::byte(uint8_t(e + 127));
+    for (int i = 0; i < kMxfp8BlockSize; ++i)
+      q.bytes[b * kMxfp8BlockSize + i] = std::byte(f32_to_fp8_e4m3(std::ldexp(v[i], -e)));
+  }
+  return {std::move(q), std::move(s)};
+}
+
+void set_mxfp8(ModelConfig& config) {
+  config.quantization.method = QuantMethod::kMxfp8;
+  config.quantization.ignored_layers = {"lm_head", "model.embed_tokens", "mlp.gate"};
+}
+
 std::map<std::string, io::OwnedTensor> random_weights(const ModelConfig& c, uint64_t seed, DType dtype) {
+  const bool mxfp8 = dtype == DType::kF8E4M3;
+  TPMOE_CHECK(!mxfp8 || c.quantization.method == QuantMethod::kMxfp8,
+              "random_weights: MXFP8 weights need a config whose quantization_config says mxfp8");
   std::map<std::string, io::OwnedTensor> out;
   for (const CanonicalTensor& t : canonical_tensors(c)) {
     int64_t n = 1;
@@ -104,7 +143,19 @@ std::map<std::string, io::OwnedTensor> random_weights(const ModelConfig& c, uint
     const uint64_t key = tensor_key(t.name);
 #pragma omp parallel for
     for (int64_t i = 0; i < n; ++i) v[i] = random_value(seed, key, uint64_t(i), t.stddev);
-    out[t.name] = io::OwnedTensor::from_f32(t.shape, v, t.always_f32 ? DType::kF32 : dtype);
+    DType dt = t.always_f32 ? DType::kF32 : dtype;
+    if (dt == DType::kF8E4M3) {
+      if (t.mxfp8_quantized) {
+        // The bf16 weights, quantized: the same values a bf16 preset holds, to MXFP8 precision.
+        for (auto& x : v) x = bf16_to_f32(f32_to_bf16(x));
+        auto [q, scale] = quantize_mxfp8(t.shape, v);
+        out[t.name] = std::move(q);
+        out[t.name + "_scale_inv"] = std::move(scale);
+        continue;
+      }
+      dt = DType::kBF16;  // what MXFP8 leaves unquantized stays bf16
+    }
+    out[t.name] = io::OwnedTensor::from_f32(t.shape, v, dt);
   }
   return out;
 }

@@ -14,6 +14,9 @@ struct Tensor {
   DType dtype = DType::kF32;
   int ndim = 0;
   std::array<int64_t, 3> shape{0, 0, 0};
+  // MXFP8 weights (dtype kF8E4M3) only: uint8 E8M0 exponents, one per 32 consecutive elements of the
+  // last dimension ([.., K/32], rows in step with data): value = fp8(data) * 2^(scale - 127).
+  void* scale = nullptr;
 
   static Tensor make(void* data, DType dtype, int64_t d0) { return {data, dtype, 1, {d0, 1, 1}}; }
   static Tensor make(void* data, DType dtype, int64_t d0, int64_t d1) { return {data, dtype, 2, {d0, d1, 1}}; }

@@ -118,10 +118,32 @@ float preset_stddev(const ModelConfig& c, const PieceRef& r) {
 
 bool preset_always_f32(const PieceRef& r) { return r.piece == Piece::kRouterBias; }
 
+bool preset_mxfp8_quantized(const PieceRef& r) {
+  switch (r.piece) {
+    case Piece::kQProj:
+    case Piece::kKProj:
+    case Piece::kVProj:
+    case Piece::kOProj:
+    case Piece::kIndexQProj:
+    case Piece::kIndexKProj:
+    case Piece::kDenseGate:
+    case Piece::kDenseUp:
+    case Piece::kDenseDown:
+    case Piece::kExpertGate:
+    case Piece::kExpertUp:
+    case Piece::kExpertDown:
+    case Piece::kSharedGate:
+    case Piece::kSharedUp:
+    case Piece::kSharedDown: return true;
+    default: return false;
+  }
+}
+
 std::vector<CanonicalTensor> canonical_tensors(const ModelConfig& c) {
   std::vector<CanonicalTensor> out;
   auto add = [&](PieceRef ref, std::vector<int64_t> shape) {
-    out.push_back({canonical_location(c, ref).name, std::move(shape), preset_stddev(c, ref), preset_always_f32(ref)});
+    out.push_back({canonical_location(c, ref).name, std::move(shape), preset_stddev(c, ref), preset_always_f32(ref),
+                   preset_mxfp8_quantized(ref)});
   };
   auto add_piece = [&](PieceRef ref) { add(ref, piece_shape(c, ref)); };
   const int64_t H = c.hidden_size;

@@ -107,11 +107,15 @@ struct CanonicalTensor {
   std::string name;
   std::vector<int64_t> shape;
   float stddev = 0;
-  bool always_f32 = false;  // kept fp32 whatever the checkpoint dtype (the router bias)
+  bool always_f32 = false;       // kept fp32 whatever the checkpoint dtype (the router bias)
+  bool mxfp8_quantized = false;  // an MXFP8 checkpoint stores it as FP8 + scales (SPEC §3)
 };
 std::vector<CanonicalTensor> canonical_tensors(const ModelConfig& config);
 // The preset spread of the canonical tensor a piece lives in.
 float preset_stddev(const ModelConfig& config, const PieceRef& ref);
 bool preset_always_f32(const PieceRef& ref);
+// The linears an MXFP8 checkpoint quantizes (SPEC §3): attention and indexer projections, dense
+// MLPs, routed and shared experts; the router, norms, embeddings and lm_head stay as they are.
+bool preset_mxfp8_quantized(const PieceRef& ref);
 
 }  // namespace tpmoe

@@ -1,5 +1,6 @@
 #include "model/weights.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "core/error.h"
@@ -7,7 +8,7 @@
 
 namespace tpmoe {
 
-DType weight_storage_dtype(DType d) { return d == DType::kBF16 ? DType::kBF16 : DType::kF32; }
+DType weight_storage_dtype(DType d) { return d == DType::kBF16 || d == DType::kF8E4M3 ? d : DType::kF32; }
 
 namespace {
 
@@ -33,6 +34,51 @@ void convert(const std::byte* src, DType from, std::byte* dst, DType to, int64_t
   }
 }
 
+// Where a loader writes one matrix: `data` in `dtype`; for F8 also the scale bytes.
+struct Dest {
+  std::byte* data = nullptr;
+  uint8_t* scale = nullptr;
+  DType dtype = DType::kF32;
+};
+
+// Elements [c0, c0 + n) of row r of the [N, K] matrix view `v`, written at `d` (advanced past them).
+// An MXFP8 source is dequantized (fp32 destination) or copied with its scales (F8 destination: the
+// span must lie on 32-element block boundaries, as a tensor-parallel slice of an FP8 weight must).
+void copy_row_span(const io::TensorView& v, int64_t r, int64_t c0, int64_t n, Dest& d) {
+  const int64_t K = v.shape.back();
+  const size_t es = dtype_size(v.dtype);
+  if (v.dtype != DType::kF8E4M3) {
+    convert(v.data + size_t(r * K + c0) * es, v.dtype, d.data, d.dtype, n);
+    d.data += size_t(n) * dtype_size(d.dtype);
+    return;
+  }
+  const auto* q = reinterpret_cast<const uint8_t*>(v.data) + r * K;
+  const auto* s = reinterpret_cast<const uint8_t*>(v.scale) + r * (K / kMxfp8BlockSize);
+  for (int64_t b = c0 / kMxfp8BlockSize; b * kMxfp8BlockSize < c0 + n; ++b)
+    TPMOE_CHECK(s[b] != kE8M0Nan, "{}: MXFP8 tensor '{}': scale [{}, {}] is 255 (NaN)", v.file, v.name, r, b);
+  if (d.dtype == DType::kF8E4M3) {
+    TPMOE_CHECK(c0 % kMxfp8BlockSize == 0 && n % kMxfp8BlockSize == 0,
+                "{}: MXFP8 tensor '{}' {}: this rank's slice of columns [{}, {}) does not lie on 32-element "
+                "scale-block boundaries (a tensor-parallel split of an FP8 weight must cut K into whole blocks; "
+                "use a smaller --tp, or the CPU backend, which dequantizes before slicing)",
+                v.file, v.name, v.shape_str(), c0, c0 + n);
+    std::memcpy(d.data, q + c0, size_t(n));
+    std::memcpy(d.scale, s + c0 / kMxfp8BlockSize, size_t(n / kMxfp8BlockSize));
+    d.data += n;
+    d.scale += n / kMxfp8BlockSize;
+    return;
+  }
+  TPMOE_CHECK(d.dtype == DType::kF32, "internal: cannot convert F8_E4M3 to {}", dtype_name(d.dtype));
+  float* out = reinterpret_cast<float*>(d.data);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = c0 + i;
+    out[i] = fp8_e4m3_to_f32(q[k]) * e8m0_to_f32(s[k / kMxfp8BlockSize]);
+    TPMOE_CHECK(std::isfinite(out[i]), "{}: MXFP8 tensor '{}': element [{}, {}] dequantizes to {} (fp8 byte 0x{:02x})",
+                v.file, v.name, r, k, out[i], q[k]);
+  }
+  d.data += size_t(n) * sizeof(float);
+}
+
 // The checkpoint tensor a piece is, through the accessors that know both layouts.
 io::TensorView resolve(const io::Checkpoint& ck, const PieceRef& r) {
   const ModelConfig& c = ck.config();
@@ -44,10 +90,10 @@ io::TensorView resolve(const io::Checkpoint& ck, const PieceRef& r) {
     case Piece::kFinalNorm: return ck.common("norm.weight", shape);
     case Piece::kInputNorm: return ck.common(p + "input_layernorm.weight", shape);
     case Piece::kPostAttentionNorm: return ck.common(p + "post_attention_layernorm.weight", shape);
-    case Piece::kQProj: return ck.common(p + "self_attn.q_proj.weight", shape);
-    case Piece::kKProj: return ck.common(p + "self_attn.k_proj.weight", shape);
-    case Piece::kVProj: return ck.common(p + "self_attn.v_proj.weight", shape);
-    case Piece::kOProj: return ck.common(p + "self_attn.o_proj.weight", shape);
+    case Piece::kQProj: return ck.linear(p + "self_attn.q_proj.weight", shape);
+    case Piece::kKProj: return ck.linear(p + "self_attn.k_proj.weight", shape);
+    case Piece::kVProj: return ck.linear(p + "self_attn.v_proj.weight", shape);
+    case Piece::kOProj: return ck.linear(p + "self_attn.o_proj.weight", shape);
     case Piece::kQNorm: return ck.common(p + "self_attn.q_norm.weight", shape);
     case Piece::kKNorm: return ck.common(p + "self_attn.k_norm.weight", shape);
     case Piece::kIndexQProj: return ck.indexer(r.layer, "q_proj");
@@ -69,17 +115,6 @@ io::TensorView resolve(const io::Checkpoint& ck, const PieceRef& r) {
   TPMOE_FAIL("internal: unknown weight piece {}", int(r.piece));
 }
 
-// Copies `rows` x `cols` elements of view `v` (a [N, K] matrix or an [N] vector) starting at
-// (row_begin, col_begin) to `dst`, whose rows are `dst_stride` elements apart, converting to `to`.
-void copy_block(const io::TensorView& v, const Block& b, std::byte* dst, int64_t dst_stride, DType to) {
-  const int64_t K = v.shape.size() > 1 ? v.shape[1] : 1;
-  const size_t es = dtype_size(v.dtype), ds = dtype_size(to);
-  if (b.col_begin == 0 && b.cols == K && dst_stride == K) {  // contiguous rows: one conversion
-    convert(v.data + b.row_begin * K * es, v.dtype, dst, to, b.rows * K);
-    return;
-  }
-  for (int64_t r = 0; r < b.rows; ++r)
-    convert(v.data + ((b.row_begin + r) * K + b.col_begin) * es, v.dtype, dst + r * dst_stride * ds, to, b.cols);
 }
 
 }  // namespace
@@ -94,43 +129,59 @@ bool shared_expert_format_matches(const io::Checkpoint& ck) {
   return true;
 }
 
-ModelWeights load_rank_weights(const io::Checkpoint& ck, const RankShard& shard, const FusionPlan& plan) {
+ModelWeights load_rank_weights(const io::Checkpoint& ck, const RankShard& shard, const FusionPlan& plan,
+                               const LoadOptions& options) {
   ModelWeights w;
   w.layers.resize(size_t(ck.config().num_layers));
+  // The dtype a checkpoint matrix is stored in: bf16 stays bf16, MXFP8 stays MXFP8 when asked (the
+  // CUDA backend) and is dequantized to fp32 otherwise (the CPU oracle), anything else is fp32.
+  auto storage = [&](DType d) {
+    if (d == DType::kF8E4M3) return options.keep_mxfp8 ? d : DType::kF32;
+    return weight_storage_dtype(d);
+  };
   for (const WeightEntry& e : rank_weight_table(ck.config(), shard, plan)) {
     std::vector<io::TensorView> views;
     for (const Block& b : e.blocks) views.push_back(resolve(ck, b.source));
-    // Vectors are fp32; a matrix keeps its checkpoint dtype (bf16, or fp32 for anything wider),
-    // the same for every block it is stacked from.
-    const DType dtype = e.vector ? DType::kF32 : weight_storage_dtype(views[0].dtype);
+    // Vectors are fp32; a matrix has one storage dtype for every block it is stacked from.
+    const DType dtype = e.vector ? DType::kF32 : storage(views[0].dtype);
     for (const auto& v : views)
-      TPMOE_CHECK(e.vector || weight_storage_dtype(v.dtype) == dtype, "{}: tensor '{}' is {} but '{}' is {}", v.file,
-                  v.name, dtype_name(v.dtype), views[0].name, dtype_name(views[0].dtype));
+      TPMOE_CHECK(e.vector || storage(v.dtype) == dtype, "{}: tensor '{}' is {} but '{}' is {}", v.file, v.name,
+                  dtype_name(v.dtype), views[0].name, dtype_name(views[0].dtype));
     int64_t n = 1;
     for (auto d : e.shape) n *= d;
     const size_t bytes = size_t(n) * dtype_size(dtype);
     w.storage.push_back(std::make_unique<std::byte[]>(std::max<size_t>(bytes, 1)));
     w.bytes += bytes;
-    std::byte* dst = w.storage.back().get();
     Tensor& t = e.slot(w);
-    t = e.shape.size() == 1   ? Tensor::make(dst, dtype, e.shape[0])
-        : e.shape.size() == 2 ? Tensor::make(dst, dtype, e.shape[0], e.shape[1])
-                              : Tensor::make(dst, dtype, e.shape[0], e.shape[1], e.shape[2]);
-    const int64_t row_length = e.shape.back();
-    const size_t es = dtype_size(dtype);
-    int64_t offset = 0;  // elements (concat_columns: columns) filled so far
-    for (size_t i = 0; i < e.blocks.size(); ++i) {
-      const Block& b = e.blocks[i];
-      if (e.concat_columns) {
-        copy_block(views[i], b, dst + offset * es, row_length, dtype);
-        offset += b.cols;
-      } else {
-        copy_block(views[i], b, dst + offset * es, b.cols, dtype);
-        offset += b.rows * b.cols;
-      }
+    void* data = w.storage.back().get();
+    t = e.shape.size() == 1   ? Tensor::make(data, dtype, e.shape[0])
+        : e.shape.size() == 2 ? Tensor::make(data, dtype, e.shape[0], e.shape[1])
+                              : Tensor::make(data, dtype, e.shape[0], e.shape[1], e.shape[2]);
+    if (dtype == DType::kF8E4M3) {  // one E8M0 scale per 32 elements along K
+      w.storage.push_back(std::make_unique<std::byte[]>(std::max<size_t>(bytes / kMxfp8BlockSize, 1)));
+      w.bytes += bytes / kMxfp8BlockSize;
+      t.scale = w.storage.back().get();
     }
-    TPMOE_CHECK(e.concat_columns ? offset == row_length : offset == n,
-                "internal: weight table entry {} fills {} of {} elements", e.name, offset, n);
+    Dest d{static_cast<std::byte*>(t.data), static_cast<uint8_t*>(t.scale), dtype};
+    if (e.vector) {  // [N] pieces, widened to fp32
+      for (size_t i = 0; i < e.blocks.size(); ++i) {
+        const io::TensorView& v = views[i];
+        convert(v.data + size_t(e.blocks[i].row_begin) * dtype_size(v.dtype), v.dtype, d.data, DType::kF32,
+                e.blocks[i].rows);
+        d.data += size_t(e.blocks[i].rows) * sizeof(float);
+      }
+    } else if (e.concat_columns) {  // every block contributes columns to each row
+      for (int64_t r = 0; r < e.blocks.front().rows; ++r)
+        for (size_t i = 0; i < e.blocks.size(); ++i)
+          copy_row_span(views[i], e.blocks[i].row_begin + r, e.blocks[i].col_begin, e.blocks[i].cols, d);
+    } else {  // blocks stacked, each row-major
+      for (size_t i = 0; i < e.blocks.size(); ++i)
+        for (int64_t r = 0; r < e.blocks[i].rows; ++r)
+          copy_row_span(views[i], e.blocks[i].row_begin + r, e.blocks[i].col_begin, e.blocks[i].cols, d);
+    }
+    TPMOE_CHECK(d.data == static_cast<std::byte*>(t.data) + bytes,
+                "internal: weight table entry {} fills {} of {} bytes", e.name,
+                d.data - static_cast<std::byte*>(t.data), bytes);
   }
   return w;
 }

@@ -3,7 +3,8 @@
 // with shared-expert fusion, the shared experts stacked as extra expert rows.
 //
 // Storage policy: matrices keep their checkpoint dtype (bf16 or fp32; f16 is widened to fp32),
-// vectors (norms, router bias) are fp32.
+// vectors (norms, router bias) are fp32. MXFP8 matrices (F8_E4M3 + E8M0 block scales) are dequantized
+// to fp32 for the CPU oracle, or kept as FP8 with their scales (Tensor::scale) for the CUDA backend.
 #pragma once
 
 #include <memory>
@@ -72,11 +73,19 @@ void for_each_tensor(ModelWeights& w, F&& f) {
   }
 }
 
-// Storage dtype the loader gives a checkpoint matrix of dtype `d`.
+// Storage dtype of a checkpoint matrix of dtype `d` as a format: BF16, F8_E4M3 (MXFP8) or F32.
 DType weight_storage_dtype(DType d);
 
+struct LoadOptions {
+  // MXFP8 matrices stay F8_E4M3 with their scales (the CUDA backend's weight-only FP8); otherwise
+  // they are dequantized to fp32 on load (the CPU oracle). Kept FP8 needs every tensor-parallel
+  // slice along K on 32-element block boundaries (an error names the tensor otherwise).
+  bool keep_mxfp8 = false;
+};
+
 // Loads rank `shard.rank`'s slice of every tensor from `ckpt` into host memory.
-ModelWeights load_rank_weights(const io::Checkpoint& ckpt, const RankShard& shard, const FusionPlan& plan);
+ModelWeights load_rank_weights(const io::Checkpoint& ckpt, const RankShard& shard, const FusionPlan& plan,
+                               const LoadOptions& options = {});
 
 // Whether routed and shared experts would be stored in the same dtype (fusion stacks them).
 bool shared_expert_format_matches(const io::Checkpoint& ckpt);

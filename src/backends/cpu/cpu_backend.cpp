@@ -46,7 +46,11 @@ class CpuRankGroup final : public RankGroup {
     const int per_rank = std::max(1, cores / layout.tp);
     // A preset is made in memory once and then sliced per rank like a checkpoint.
     std::optional<io::Checkpoint> preset;
-    if (!source.checkpoint) preset = io::Checkpoint::from_memory(config, random_weights(config, source.preset_seed));
+    if (!source.checkpoint) {
+      const bool mxfp8 = config.quantization.method == QuantMethod::kMxfp8;
+      preset = io::Checkpoint::from_memory(
+          config, random_weights(config, source.preset_seed, mxfp8 ? DType::kF8E4M3 : DType::kBF16));
+    }
     const io::Checkpoint& ckpt = source.checkpoint ? *source.checkpoint : *preset;
     for (int r : launch.local_ranks)
       ranks_.push_back(std::make_unique<CpuRank>(r, load_rank_weights(ckpt, RankShard::make(config, layout, r), plan),

@@ -57,7 +57,8 @@ class CudaRank final : public RankBackend {
 
   void load(const WeightSource& source) {
     if (source.checkpoint) {
-      weights_ = DeviceWeights::upload(load_rank_weights(*source.checkpoint, shard_, plan_));
+      // MXFP8 linears stay FP8 (weight-only FP8: widened in registers).
+      weights_ = DeviceWeights::upload(load_rank_weights(*source.checkpoint, shard_, plan_, {.keep_mxfp8 = true}));
     } else {
       // This rank's shard made on its GPU: bitwise what loading the preset checkpoint would give it,
       // without the whole model anywhere.

@@ -279,6 +279,12 @@ void CudaOps::add(Tensor x, Tensor y) {
 void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
   const auto timer = timed(fmt::format("linear {}x{} -> {}", weight.dim(0), weight.dim(1), dtype_name(out.dtype)));
   expect(x, DType::kBF16, "linear input");
+  if (weight.dtype == DType::kF8E4M3) {  // MXFP8: weight-only FP8 (moe.cuh)
+    launch_fp8_linear({bf16(x), weight.as<uint8_t>(), static_cast<const uint8_t*>(weight.scale), out.data,
+                       out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)), int(x.dim(1))},
+                      stream_);
+    return;
+  }
   expect(weight, DType::kBF16, "linear weight");
   gemm_.linear(bf16(x), bf16(weight), out.data, out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)),
                int(x.dim(1)), stream_);
@@ -364,8 +370,14 @@ void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor
   m.x = bf16(x);
   m.slot_ids = slot_ids.as<int32_t>();
   m.slot_weights = slot_weights.as<float>();
-  m.gate_up = bf16(gate_up);
-  m.down = bf16(down);
+  m.gate_up = gate_up.data;
+  m.down = down.data;
+  if (gate_up.dtype == DType::kF8E4M3) {  // MXFP8: weight-only FP8
+    m.gate_up_scale = static_cast<const uint8_t*>(gate_up.scale);
+    m.down_scale = static_cast<const uint8_t*>(down.scale);
+  } else {
+    expect(gate_up, DType::kBF16, "expert weights");
+  }
   m.out = bf16_mut(out);
   m.num_tokens = int(x.dim(0));
   m.slots = int(slot_ids.dim(1));

@@ -7,6 +7,7 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/elementwise.cuh"
+#include "backends/cuda/mxfp8.cuh"
 #include "core/error.h"
 #include "model/presets.h"
 #include "model/weight_table.h"
@@ -25,6 +26,14 @@ Tensor DeviceWeights::alloc_like(const Tensor& s, DType dtype) {
   allocations_.push_back(p);
   t.data = p;
   weights_.bytes += t.nbytes();
+  t.scale = nullptr;
+  if (dtype == DType::kF8E4M3) {  // MXFP8: the E8M0 scales, one byte per 32 elements
+    const size_t scale_bytes = t.nbytes() / kMxfp8BlockSize;
+    CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(scale_bytes, 1)));
+    allocations_.push_back(p);
+    t.scale = p;
+    weights_.bytes += scale_bytes;
+  }
   return t;
 }
 
@@ -38,7 +47,14 @@ std::unique_ptr<DeviceWeights> DeviceWeights::upload(const ModelWeights& host_in
   for_each_tensor(d->weights_, [&](Tensor& dst) {
     const Tensor& s = *src[i++];
     if (s.empty()) return;
-    // Vectors (norms, bias) stay fp32; matrices are bf16 on the device.
+    // Vectors (norms, bias) stay fp32; matrices are bf16 on the device, MXFP8 ones stay FP8 with their
+    // scales (weight-only FP8: widened to bf16 in the GEMMs' registers).
+    if (s.dtype == DType::kF8E4M3) {
+      dst = d->alloc_like(s, DType::kF8E4M3);
+      CUDA_CHECK(cudaMemcpy(dst.data, s.data, s.nbytes(), cudaMemcpyHostToDevice));
+      CUDA_CHECK(cudaMemcpy(dst.scale, s.scale, s.nbytes() / kMxfp8BlockSize, cudaMemcpyHostToDevice));
+      return;
+    }
     const DType dtype = s.ndim == 1 ? DType::kF32 : DType::kBF16;
     dst = d->alloc_like(s, dtype);
     if (s.dtype == dtype) {
@@ -58,18 +74,27 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
                                                             const RankShard& shard, uint64_t seed) {
   // Every tensor of the shard from the weight table: each block's values come from its canonical
   // tensor's name and element index (as random_weights computes them), generated in place, so no
-  // rank ever needs the whole model. Matrices are bf16 on the device; vectors are made on the host
-  // exactly as random_weights makes them (rounded to bf16 as the preset checkpoint stores them,
-  // but for the fp32 router bias), then widened to fp32.
+  // rank ever needs the whole model. Matrices are bf16 on the device - or, in an MXFP8 preset, the
+  // linears MXFP8 quantizes are generated as those bf16 values into a staging buffer and quantized
+  // there (bit for bit quantize_mxfp8; a block of whole 32-element runs of a row quantizes as it
+  // would within the whole tensor). Vectors are made on the host exactly as random_weights makes
+  // them (rounded to bf16 as the preset checkpoint stores them, but for the fp32 router bias),
+  // then widened to fp32.
   std::unique_ptr<DeviceWeights> d(new DeviceWeights);
   ModelWeights& w = d->weights_;
+  const bool mxfp8 = c.quantization.method == QuantMethod::kMxfp8;
+  constexpr int64_t kStagingElements = int64_t(1) << 26;  // 128 MiB of bf16
+  void* staging = nullptr;
+  if (mxfp8) CUDA_CHECK(cudaMalloc(&staging, size_t(kStagingElements) * 2));
   w.layers.resize(size_t(c.num_layers));
   for (const WeightEntry& e : rank_weight_table(c, shard, plan)) {
-    Tensor shape = e.shape.size() == 1   ? Tensor::make(nullptr, DType::kF32, e.shape[0])
-                   : e.shape.size() == 2 ? Tensor::make(nullptr, DType::kBF16, e.shape[0], e.shape[1])
-                                         : Tensor::make(nullptr, DType::kBF16, e.shape[0], e.shape[1], e.shape[2]);
+    const bool quantized = mxfp8 && preset_mxfp8_quantized(e.blocks.front().source);
+    const DType dtype = e.vector ? DType::kF32 : quantized ? DType::kF8E4M3 : DType::kBF16;
+    Tensor shape = e.shape.size() == 1   ? Tensor::make(nullptr, dtype, e.shape[0])
+                   : e.shape.size() == 2 ? Tensor::make(nullptr, dtype, e.shape[0], e.shape[1])
+                                         : Tensor::make(nullptr, dtype, e.shape[0], e.shape[1], e.shape[2]);
     Tensor& t = e.slot(w);
-    t = d->alloc_like(shape, shape.dtype);
+    t = d->alloc_like(shape, dtype);
     if (e.vector) {
       std::vector<float> v;
       for (const Block& b : e.blocks) {
@@ -86,25 +111,50 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
       CUDA_CHECK(cudaMemcpy(t.data, v.data(), t.nbytes(), cudaMemcpyHostToDevice));
       continue;
     }
+    TPMOE_CHECK(!quantized || !e.concat_columns,
+                "MXFP8 presets: {} gathers columns of several shared experts; generate it with one shared expert or "
+                "with shared-expert fusion on",
+                e.name);
     const int64_t row_length = e.shape.back();
     int64_t offset = 0;  // elements (concat_columns: columns) written so far
     for (const Block& b : e.blocks) {
       const CanonicalLocation at = canonical_location(c, b.source);
       FillRandomParams p;
-      p.out = static_cast<uint16_t*>(t.data) + offset;
-      p.rows = b.rows;
-      p.cols = b.cols;
-      p.out_row_stride = e.concat_columns ? row_length : b.cols;
       p.seed = seed;
       p.key = tensor_key(at.name);
-      p.index_offset = uint64_t(at.offset + b.row_begin * at.row_stride + b.col_begin);
       p.index_row_stride = at.row_stride;
       p.stddev = preset_stddev(c, b.source);
-      launch_fill_random(p, nullptr);
-      offset += e.concat_columns ? b.cols : b.rows * b.cols;
+      p.cols = b.cols;
+      if (!quantized) {
+        p.out = static_cast<uint16_t*>(t.data) + offset;
+        p.rows = b.rows;
+        p.out_row_stride = e.concat_columns ? row_length : b.cols;
+        p.index_offset = uint64_t(at.offset + b.row_begin * at.row_stride + b.col_begin);
+        launch_fill_random(p, nullptr);
+        offset += e.concat_columns ? b.cols : b.rows * b.cols;
+        continue;
+      }
+      TPMOE_CHECK(b.cols % kMxfp8BlockSize == 0 && b.col_begin % kMxfp8BlockSize == 0,
+                  "MXFP8 presets: {} takes columns [{}, {}) of its weight, not whole 32-element scale blocks (use a "
+                  "smaller tp)",
+                  e.name, b.col_begin, b.col_begin + b.cols);
+      // Through the staging buffer, as many whole rows at a time as fit.
+      const int64_t rows_per_chunk = std::max<int64_t>(1, kStagingElements / b.cols);
+      for (int64_t r0 = 0; r0 < b.rows; r0 += rows_per_chunk) {
+        p.rows = std::min(rows_per_chunk, b.rows - r0);
+        p.out = staging;
+        p.out_row_stride = b.cols;
+        p.index_offset = uint64_t(at.offset + (b.row_begin + r0) * at.row_stride + b.col_begin);
+        launch_fill_random(p, nullptr);
+        const int64_t n = p.rows * b.cols;
+        launch_quantize_mxfp8(static_cast<const __nv_bfloat16*>(staging), static_cast<uint8_t*>(t.data) + offset,
+                              static_cast<uint8_t*>(t.scale) + offset / kMxfp8BlockSize, n, nullptr);
+        offset += n;
+      }
     }
   }
   CUDA_CHECK(cudaDeviceSynchronize());
+  if (staging) CUDA_CHECK(cudaFree(staging));
   return d;
 }
 

@@ -1,6 +1,6 @@
-// One rank's weights in GPU memory: bf16 matrices, fp32 vectors, the same ModelWeights structure
-// the forward reads on the CPU. Either uploaded from host weights (a checkpoint) or, for presets,
-// generated straight on the device (a full-width MiniMax-M3 layer is ~15 GB: no file, no host copy).
+// One rank's weights in GPU memory: bf16 matrices (MXFP8 ones kept as e4m3 + E8M0 scales), fp32 vectors, the same
+// ModelWeights structure the forward reads on the CPU. Either uploaded from host weights (a checkpoint) or, for
+// presets, generated straight on the device (a full-width MiniMax-M3 layer is ~15 GB: no file, no host copy).
 #pragma once
 
 #include <cstdint>

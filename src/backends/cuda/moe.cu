@@ -54,6 +54,13 @@
 // Slot ids outside [0, num_rows) are a routing bug: their pairs are skipped and the token's out row
 // is NaN (a kernel cannot throw).
 //
+// MXFP8 weights (weight-only FP8, SPEC §3): the same kernels, templated on the weight format. Each lane
+// loads its 8 weights of a 32-wide k chunk as 8 e4m3 bytes (8-byte loads) and the chunk's E8M0 scale
+// (4 chunks' scales in one 32-bit load when K/32 % 4 == 0), and widens them to bf16 in registers right
+// before the mma (dequant_e4m3x8: a bit shuffle and one bf16 multiply by 2^(s-7), exact); the scale
+// block is exactly the lane's k chunk. Decode bytes per active row: 3*I*H*(1 + 1/32). The same GEMM
+// also serves the MXFP8 linears (launch_fp8_linear: one expert, tokens in order, no routing).
+//
 // Measured on an H200: see docs/PERF.md, "MoE layer (bench/bench_moe)" (the whole layer, routing
 // included, as CUDA graphs with a cold L2, against the measured copy bandwidth). Before this
 // version (bm = 32 always, 16 j per gate_up CTA, no PDL): T=1 0.215 ms = 2.6 TB/s of weights.
@@ -64,6 +71,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <string>
+#include <type_traits>
 #include <utility>
 
 #include "backends/cuda/cuda_check.h"
@@ -298,41 +307,79 @@ constexpr int kGemmThreads = kGemmWarps * 32;
 //       hidden rows.
 //   U:  32-wide k chunks each warp loads before it multiplies (16-byte weight loads in flight per
 //       thread: U * MT * 2); contiguous, so a warp reads U * 64 bytes of each row per step.
-template <bool kGateUp, int NT>
+template <bool kFp8, bool kGateUp, int NT>
 struct GemmShape;
 template <>
-struct GemmShape<true, 1> {
+struct GemmShape<false, true, 1> {
   static constexpr int MT = 1, U = 8;
 };
 template <>
-struct GemmShape<true, 2> {
+struct GemmShape<false, true, 2> {
   static constexpr int MT = 1, U = 4;
 };
 template <>
-struct GemmShape<true, 4> {
+struct GemmShape<false, true, 4> {
   static constexpr int MT = 2, U = 2;
 };
 template <>
-struct GemmShape<false, 1> {
+struct GemmShape<false, false, 1> {
   static constexpr int MT = 2, U = 4;
 };
 template <>
-struct GemmShape<false, 2> {
+struct GemmShape<false, false, 2> {
   static constexpr int MT = 2, U = 3;
 };
 template <>
-struct GemmShape<false, 4> {
+struct GemmShape<false, false, 4> {
+  static constexpr int MT = 2, U = 2;
+};
+// MXFP8 weights: the same tiles; U as large as fits the registers of the bf16 kernel's occupancy
+// without spilling (measured with -Xptxas -v: U = 12 for the bm = 8 gate_up and U = 8 for the bm = 8
+// down spill). With U a multiple of 4 a lane reads the scales of 4 chunks as one 32-bit word.
+// Tried and measured slower on an H200 (bench_moe --dtype mxfp8, commit f8b6f26): reading each
+// chunk's activations right before its mma to free registers for U = 16 / 8 (T = 1: 168 us against
+// 135 us here; T = 8: 686 against 583).
+template <>
+struct GemmShape<true, true, 1> {
+  static constexpr int MT = 1, U = 8;
+};
+template <>
+struct GemmShape<true, true, 2> {
+  static constexpr int MT = 1, U = 8;
+};
+template <>
+struct GemmShape<true, true, 4> {
+  static constexpr int MT = 2, U = 2;
+};
+template <>
+struct GemmShape<true, false, 1> {
+  static constexpr int MT = 2, U = 4;
+};
+template <>
+struct GemmShape<true, false, 2> {
+  static constexpr int MT = 2, U = 4;
+};
+template <>
+struct GemmShape<true, false, 4> {
   static constexpr int MT = 2, U = 2;
 };
 
 template <bool kGateUp, int NT>
 constexpr int rows_per_cta() {
-  return kGateUp ? 8 * GemmShape<kGateUp, NT>::MT : 16 * GemmShape<kGateUp, NT>::MT;
+  return kGateUp ? 8 * GemmShape<false, kGateUp, NT>::MT : 16 * GemmShape<false, kGateUp, NT>::MT;
 }
+static_assert(GemmShape<true, true, 1>::MT == GemmShape<false, true, 1>::MT &&
+                  GemmShape<true, true, 2>::MT == GemmShape<false, true, 2>::MT &&
+                  GemmShape<true, true, 4>::MT == GemmShape<false, true, 4>::MT &&
+                  GemmShape<true, false, 1>::MT == GemmShape<false, false, 1>::MT &&
+                  GemmShape<true, false, 2>::MT == GemmShape<false, false, 2>::MT &&
+                  GemmShape<true, false, 4>::MT == GemmShape<false, false, 4>::MT,
+              "the grid (rows_per_cta) must not depend on the weight format");
 
 struct GemmParams {
-  const uint16_t* w = nullptr;  // gate_up [R, 2I, H] or down [R, H, I] (bf16 bits)
-  const uint16_t* b = nullptr;  // x [T, H] (gate_up) or act [P, I] (down)
+  const void* w = nullptr;           // gate_up [R, 2I, H] or down [R, H, I]: bf16 bits, or e4m3 bytes with w_scale
+  const uint8_t* w_scale = nullptr;  // MXFP8: E8M0 exponents [R, rows, K/32]
+  const uint16_t* b = nullptr;       // x [T, H] (gate_up) or act [P, I] (down)
   const int32_t* perm = nullptr;
   const int32_t* offsets = nullptr;
   const int32_t* num_blocks = nullptr;
@@ -347,6 +394,12 @@ struct GemmParams {
   int block_m = 32;
   int prefetch_row_bytes = 0;  // down: bytes of each weight row prefetched into L2 before the wait
   bool vec = false;            // K % 8 == 0 and 16-byte aligned bases: 16-byte loads
+  bool scale_vec = false;      // MXFP8: (K/32) % 4 == 0 and a 4-byte aligned scale base: word loads
+  // Plain linear (launch_fp8_linear): no block table (num_blocks == nullptr); token block b is rows
+  // [b*bm, b*bm + bm) of b (the activations), expert 0, output row-major [linear_tokens, rows] into
+  // y (fp32) or out_bf16; no slot weight.
+  int linear_tokens = 0;
+  uint16_t* out_bf16 = nullptr;
   float alpha = 1.702f;
   float limit = 7.0f;
 };
@@ -358,6 +411,55 @@ __device__ __forceinline__ uint4 ld_weight16(const uint16_t* ptr) {
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(ptr));
   return v;
+}
+
+// 8 e4m3 weights (K % 32 == 0 is required for MXFP8, so a live chunk is always whole).
+__device__ __forceinline__ uint2 ld_weight8(const uint8_t* ptr) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
+  return v;
+}
+
+// The E8M0 scales of chunks [c, c + 4) of one weight row, byte j = chunk c + j (127, i.e. 1.0, past
+// the row's end: those chunks are never multiplied).
+__device__ __forceinline__ uint32_t load_scale4(const uint8_t* row, int c, int num_chunks, bool vec) {
+  if (vec) return c < num_chunks ? __ldg(reinterpret_cast<const uint32_t*>(row + c)) : 0x7f7f7f7fu;
+  uint32_t v = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) v |= uint32_t(c + j < num_chunks ? __ldg(row + c + j) : 127) << (8 * j);
+  return v;
+}
+
+// 8 e4m3 values (byte j = element j) times 2^(s - 127) as 8 bf16 (element pairs packed low, high),
+// exactly (an e4m3 value times a power of two fits a bf16 unless it underflows bf16's range).
+// Each byte's sign, exponent and mantissa bits go to the matching bf16 bits with no exponent
+// re-bias: that bf16 is the e4m3 value times 2^-120, subnormals included (bf16 arithmetic keeps
+// subnormals), and one bf16 multiply by 2^(s - 7) = 2^120 * 2^(s - 127) both re-biases and scales.
+// 2^(s - 7) is a bf16 for s <= 134; larger scales take two multiplies.
+__device__ __forceinline__ uint4 dequant_e4m3x8(uint2 raw, uint32_t s) {
+  const bool one_step = s <= 134;
+  const uint32_t m1_bits = one_step ? (s + 120) << 7 : 247u << 7;  // 2^(s-7), or 2^120
+  const uint32_t m2_bits = s << 7;                                 // 2^(s-127) (s >= 135 here)
+  const __nv_bfloat162 m1 =
+      __halves2bfloat162(__ushort_as_bfloat16(uint16_t(m1_bits)), __ushort_as_bfloat16(uint16_t(m1_bits)));
+  const __nv_bfloat162 m2 =
+      __halves2bfloat162(__ushort_as_bfloat16(uint16_t(m2_bits)), __ushort_as_bfloat16(uint16_t(m2_bits)));
+  uint32_t out[4];
+  const uint32_t words[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // Bytes 2*half and 2*half+1 of the word into the high byte of each 16-bit lane.
+      const uint32_t t = __byte_perm(words[w], 0u, half ? 0x3424u : 0x1404u);
+      const uint32_t bits = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+      __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+      v = __hmul2(v, m1);
+      if (!one_step) v = __hmul2(v, m2);
+      out[2 * w + half] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 __device__ __forceinline__ uint4 load8_masked(const uint16_t* row, int k, int K) {
@@ -389,11 +491,15 @@ __device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint3
 __device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) { return __bfloat16_as_ushort(__float2bfloat16_rn(v)); }
 
 // kGateUp: act[pos, j] = swiglu(<x[tok], Wgu[e, j]>, <x[tok], Wgu[e, I + j]>) for the CTA's 8 * MT j.
-// else:    y[pair, n] = w[pair] * <act[pos], Wd[e, n]> for the CTA's 16 * MT n.
-template <bool kGateUp, int NT>
+// else:    y[pair, n] = w[pair] * <act[pos], Wd[e, n]> for the CTA's 16 * MT n (or, as a plain
+//          linear, out[row, n] = <b[row], W[n]>).
+// kFp8: the weights are MXFP8 (e4m3 bytes + E8M0 scale per 32 k), widened to bf16 in registers right
+// before their mma; everything else (tiles, split-K, reduction order) is the bf16 kernel's.
+template <bool kFp8, bool kGateUp, int NT>
 __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel(const GemmParams p) {
-  constexpr int MT = GemmShape<kGateUp, NT>::MT;
-  constexpr int U = GemmShape<kGateUp, NT>::U;
+  constexpr int MT = GemmShape<kFp8, kGateUp, NT>::MT;
+  constexpr int U = GemmShape<kFp8, kGateUp, NT>::U;
+  constexpr int kWBytes = kFp8 ? 1 : 2;
   constexpr int kRows = rows_per_cta<kGateUp, NT>();
   __shared__ float red[kGemmWarps][MT * NT * 4][32];
 
@@ -406,16 +512,24 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
         (blk == 0 || p.block_expert[blk - 1] != p.block_expert[blk])) {
       const int e = p.block_expert[blk];
       const int r = min(row0 + int(threadIdx.x), p.rows - 1);
-      const uint16_t* ptr = p.w + (size_t(e) * p.rows + r) * p.K;
+      const auto* ptr = static_cast<const uint8_t*>(p.w) + (size_t(e) * p.rows + r) * p.K * kWBytes;
       asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(ptr), "r"(p.prefetch_row_bytes) : "memory");
     }
   }
   pdl_wait();
   pdl_trigger();
-  if (blk >= *p.num_blocks) return;  // idle work item: fewer blocks than the worst case
-  const int e = p.block_expert[blk];
-  const int start = p.block_start[blk];
-  const int cnt = min(8 * NT, p.offsets[e + 1] - start);
+  int e, start, cnt;
+  if (p.num_blocks == nullptr) {  // plain linear: fixed token blocks
+    e = 0;
+    start = blk * 8 * NT;
+    if (start >= p.linear_tokens) return;
+    cnt = min(8 * NT, p.linear_tokens - start);
+  } else {
+    if (blk >= *p.num_blocks) return;  // idle work item: fewer blocks than the worst case
+    e = p.block_expert[blk];
+    start = p.block_start[blk];
+    cnt = min(8 * NT, p.offsets[e + 1] - start);
+  }
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
@@ -424,8 +538,10 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
   // Weight rows this lane loads: [m-tile][h], clamped into range. gate_up: h = 0 the gate row j,
   // h = 1 the up row I + j; down: rows g and g + 8 of the m-tile.
   const size_t expert_rows = kGateUp ? size_t(2) * p.rows : size_t(p.rows);
-  const uint16_t* w_e = p.w + size_t(e) * expert_rows * K;
-  const uint16_t* a_row[MT][2];
+  const uint8_t* w_e = static_cast<const uint8_t*>(p.w) + size_t(e) * expert_rows * K * kWBytes;
+  const int num_chunks = (K + 31) / 32;
+  const uint8_t* a_row[MT][2];
+  const uint8_t* s_row[MT][2];  // MXFP8 only
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -436,7 +552,8 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
       } else {
         r = min(row0 + mt * 16 + g + 8 * h, p.rows - 1);
       }
-      a_row[mt][h] = w_e + size_t(r) * K;
+      a_row[mt][h] = w_e + size_t(r) * K * kWBytes;
+      if constexpr (kFp8) s_row[mt][h] = p.w_scale + (size_t(e) * expert_rows + r) * num_chunks;
     }
   // Token columns: n-tile nt, column g; nullptr past the block's count (reads as zero).
   const uint16_t* b_row[NT];
@@ -458,9 +575,15 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.f;
 
-  const int num_chunks = (K + 31) / 32;
+  // The weight registers: 8 bf16 (uint4) or 8 e4m3 (uint2) per (chunk, m-tile, row half).
+  using WRaw = std::conditional_t<kFp8, uint2, uint4>;
+  constexpr int kScaleWords = kFp8 ? (U + 3) / 4 : 1;
+  // Word loads of 4 scales need the chunk base 4-aligned: U % 4 == 0 (else byte loads).
+  const bool scale_vec = p.scale_vec && U % 4 == 0;
   for (int base = warp * U; base < num_chunks; base += kGemmWarps * U) {
-    uint4 a[U][MT][2], b[U][NT];
+    WRaw a[U][MT][2];
+    uint4 b[U][NT];
+    uint32_t sc[kScaleWords][MT][2];  // MXFP8: byte j of word i = scale of chunk base + 4i + j
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int chunk = base + u;
@@ -469,21 +592,41 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) a[u][mt][h] = live ? load8_w(a_row[mt][h], k, K, p.vec) : make_uint4(0, 0, 0, 0);
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (kFp8)
+            a[u][mt][h] = live ? ld_weight8(a_row[mt][h] + k) : make_uint2(0, 0);
+          else
+            a[u][mt][h] =
+                live ? load8_w(reinterpret_cast<const uint16_t*>(a_row[mt][h]), k, K, p.vec) : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         b[u][nt] = (live && b_row[nt]) ? load8(b_row[nt], k, K, p.vec) : make_uint4(0, 0, 0, 0);
+    }
+    if constexpr (kFp8) {
+#pragma unroll
+      for (int i = 0; i < kScaleWords; ++i)
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) sc[i][mt][h] = load_scale4(s_row[mt][h], base + 4 * i, num_chunks, scale_vec);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + u >= num_chunks) break;
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        if (nt * 8 >= cnt) break;  // warp-uniform: empty n-tiles cost nothing
+      for (int mt = 0; mt < MT; ++mt) {
+        uint4 ra, rb;  // rows g and g + 8 as bf16
+        if constexpr (kFp8) {
+          ra = dequant_e4m3x8(a[u][mt][0], (sc[u / 4][mt][0] >> (8 * (u % 4))) & 0xffu);
+          rb = dequant_e4m3x8(a[u][mt][1], (sc[u / 4][mt][1] >> (8 * (u % 4))) & 0xffu);
+        } else {
+          ra = a[u][mt][0];
+          rb = a[u][mt][1];
+        }
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          const uint4& ra = a[u][mt][0];  // row g
-          const uint4& rb = a[u][mt][1];  // row g + 8
+        for (int nt = 0; nt < NT; ++nt) {
+          if (nt * 8 >= cnt) break;  // warp-uniform: empty n-tiles cost nothing
           mma_bf16_16816(acc[mt][nt], ra.x, rb.x, ra.y, rb.y, b[u][nt].x, b[u][nt].y);
           mma_bf16_16816(acc[mt][nt], ra.z, rb.z, ra.w, rb.w, b[u][nt].z, b[u][nt].w);
         }
@@ -532,6 +675,14 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
       float s = 0.f;
 #pragma unroll
       for (int wi = 0; wi < kGemmWarps; ++wi) s += red[wi][f][l];
+      if (p.num_blocks == nullptr) {  // plain linear
+        const size_t at = size_t(start + col) * p.rows + n;
+        if (p.out_bf16)
+          p.out_bf16[at] = f32_to_bf16_bits(s);
+        else
+          p.y[at] = s;
+        continue;
+      }
       const int pair = p.perm[start + col];
       p.y[size_t(pair) * p.rows + n] = p.slot_weights[pair] * s;
     }
@@ -637,12 +788,24 @@ void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, 
     check_arg(grid.y <= 65535, "launch_moe: inter or hidden too large for the grid");
     launch_k(kernel, grid, dim3(kGemmThreads), 0, stream, pdl, gp);
   };
+  const bool fp8 = gp.w_scale != nullptr;
   if (nt == 1)
-    go(moe_gemm_kernel<kGateUp, 1>, rows_per_cta<kGateUp, 1>());
+    go(fp8 ? moe_gemm_kernel<true, kGateUp, 1> : moe_gemm_kernel<false, kGateUp, 1>, rows_per_cta<kGateUp, 1>());
   else if (nt == 2)
-    go(moe_gemm_kernel<kGateUp, 2>, rows_per_cta<kGateUp, 2>());
+    go(fp8 ? moe_gemm_kernel<true, kGateUp, 2> : moe_gemm_kernel<false, kGateUp, 2>, rows_per_cta<kGateUp, 2>());
   else
-    go(moe_gemm_kernel<kGateUp, 4>, rows_per_cta<kGateUp, 4>());
+    go(fp8 ? moe_gemm_kernel<true, kGateUp, 4> : moe_gemm_kernel<false, kGateUp, 4>, rows_per_cta<kGateUp, 4>());
+}
+
+// MXFP8 operands the kernels can read: K a multiple of 32 (whole scale blocks, whole 8-byte loads),
+// 8-byte aligned weights.
+void check_fp8_operands(const void* w, const uint8_t* scale, int K, const char* what) {
+  check_arg(scale != nullptr, std::string(what) + ": MXFP8 weights need their scales");
+  check_arg(K % 32 == 0, std::string(what) + ": MXFP8 weights need K % 32 == 0");
+  check_arg((reinterpret_cast<uintptr_t>(w) & 7u) == 0, std::string(what) + ": MXFP8 weights must be 8-byte aligned");
+}
+bool scale_words_ok(const uint8_t* scale, int K) {
+  return (K / 32) % 4 == 0 && (reinterpret_cast<uintptr_t>(scale) & 3u) == 0;
 }
 
 // One thread per (token, slot) of the recorded maximum; tokens past the step's real count skip.
@@ -693,6 +856,11 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   check_arg(p.workspace != nullptr && p.workspace_bytes >= l.total && aligned16(p.workspace),
             "launch_moe: workspace missing, misaligned or smaller than moe_workspace_bytes(num_tokens, ...)");
   check_arg(p.out != static_cast<const void*>(p.x), "launch_moe: out must not alias x");
+  const bool fp8 = p.gate_up_scale != nullptr || p.down_scale != nullptr;
+  if (fp8) {
+    check_fp8_operands(p.gate_up, p.gate_up_scale, p.hidden, "launch_moe gate_up");
+    check_fp8_operands(p.down, p.down_scale, p.inter, "launch_moe down");
+  }
   check_arg(l.max_blocks <= 0x7fffffff, "launch_moe: too many token blocks");
 
   std::byte* ws = static_cast<std::byte*>(p.workspace);
@@ -743,7 +911,9 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   gp.limit = p.limit;
 
   // gate_up + SwiGLU: K = hidden, rows = inter per half.
-  gp.w = reinterpret_cast<const uint16_t*>(p.gate_up);
+  gp.w = p.gate_up;
+  gp.w_scale = p.gate_up_scale;
+  gp.scale_vec = fp8 && scale_words_ok(p.gate_up_scale, p.hidden);
   gp.b = reinterpret_cast<const uint16_t*>(p.x);
   gp.act = act;
   gp.K = p.hidden;
@@ -752,7 +922,9 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   launch_gemm<true>(nt, gp, unsigned(blocks), p.inter, stream, tune.pdl);
 
   // down, times the slot weight: K = inter, rows = hidden.
-  gp.w = reinterpret_cast<const uint16_t*>(p.down);
+  gp.w = p.down;
+  gp.w_scale = p.down_scale;
+  gp.scale_vec = fp8 && scale_words_ok(p.down_scale, p.inter);
   gp.b = act;
   gp.act = nullptr;
   gp.y = y;
@@ -761,7 +933,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   gp.rows = p.hidden;
   gp.vec = p.inter % 8 == 0 && aligned16(p.down);  // act rows: 256-aligned region, stride inter*2
   if (gp.vec && tune.pdl && tune.down_prefetch_bytes > 0) {
-    const int64_t per_row = std::min<int64_t>(int64_t(p.inter) * 2, tune.down_prefetch_bytes / 32);
+    const int64_t per_row = std::min<int64_t>(int64_t(p.inter) * (fp8 ? 1 : 2), tune.down_prefetch_bytes / 32);
     gp.prefetch_row_bytes = int(per_row / 16 * 16);
   }
   launch_gemm<false>(nt, gp, unsigned(blocks), p.hidden, stream, tune.pdl);
@@ -778,6 +950,31 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   const unsigned chunks = unsigned((p.hidden + kCombineThreads * kCombineVec - 1) / (kCombineThreads * kCombineVec));
   check_arg(chunks <= 65535, "launch_moe: hidden too large for the combine grid");
   launch_k(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, stream, tune.pdl, cp);
+}
+
+void launch_fp8_linear(const Fp8LinearParams& p, cudaStream_t stream) {
+  check_arg(p.M >= 0 && p.N >= 1 && p.K >= 1, "launch_fp8_linear: need M >= 0, N >= 1, K >= 1");
+  check_fp8_operands(p.w, p.w_scale, p.K, "launch_fp8_linear");
+  check_arg(p.out != static_cast<const void*>(p.x), "launch_fp8_linear: out must not alias x");
+  if (p.M == 0) return;
+  // The token block as launch_moe picks it for the same number of (token, expert) pairs.
+  const int block_m = p.M <= 64 ? 8 : p.M <= 128 ? 16 : 32;
+  GemmParams gp;
+  gp.w = p.w;
+  gp.w_scale = p.w_scale;
+  gp.scale_vec = scale_words_ok(p.w_scale, p.K);
+  gp.b = reinterpret_cast<const uint16_t*>(p.x);
+  gp.K = p.K;
+  gp.rows = p.N;
+  gp.block_m = block_m;
+  gp.vec = p.K % 8 == 0 && aligned16(p.x);
+  gp.linear_tokens = p.M;
+  if (p.out_f32)
+    gp.y = static_cast<float*>(p.out);
+  else
+    gp.out_bf16 = static_cast<uint16_t*>(p.out);
+  const unsigned blocks = unsigned((p.M + block_m - 1) / block_m);
+  launch_gemm<false>(block_m / 8, gp, blocks, p.N, stream, false);
 }
 
 void launch_scatter_add_weighted(const float* y, const int32_t* token, const float* w, int n, int hidden, float* acc,

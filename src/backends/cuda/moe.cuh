@@ -53,12 +53,17 @@ struct MoeTuning {
 };
 
 struct MoeKernelParams {
-  const __nv_bfloat16* x = nullptr;        // [T, hidden]
-  const int32_t* slot_ids = nullptr;       // [T, slots], each in [0, num_rows)
-  const float* slot_weights = nullptr;     // [T, slots]
-  const __nv_bfloat16* gate_up = nullptr;  // [num_rows, 2 * inter, hidden]: gate half, then up half
-  const __nv_bfloat16* down = nullptr;     // [num_rows, hidden, inter]
-  __nv_bfloat16* out = nullptr;            // [T, hidden] = scale * sum_s w[t,s] * expert(x[t])
+  const __nv_bfloat16* x = nullptr;     // [T, hidden]
+  const int32_t* slot_ids = nullptr;    // [T, slots], each in [0, num_rows)
+  const float* slot_weights = nullptr;  // [T, slots]
+  const void* gate_up = nullptr;        // [num_rows, 2 * inter, hidden]: gate half, then up half (bf16 or e4m3)
+  const void* down = nullptr;           // [num_rows, hidden, inter] (bf16 or e4m3)
+  // MXFP8 weights (weight-only FP8): gate_up and down hold float8_e4m3fn bytes and these their E8M0
+  // block exponents, [num_rows, 2 * inter, hidden / 32] and [num_rows, hidden, inter / 32]; both
+  // nullptr for bf16 weights. hidden and inter must be multiples of 32.
+  const uint8_t* gate_up_scale = nullptr;
+  const uint8_t* down_scale = nullptr;
+  __nv_bfloat16* out = nullptr;  // [T, hidden] = scale * sum_s w[t,s] * expert(x[t])
   int num_tokens = 0;
   int slots = 0;
   int hidden = 0;
@@ -74,6 +79,21 @@ struct MoeKernelParams {
 
 size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int num_rows);
 void launch_moe(const MoeKernelParams& p, cudaStream_t stream);
+
+// A linear with MXFP8 weights, out[M, N] = x[M, K] W[N, K]^T, W = e4m3(w) * 2^(w_scale - 127) per 32
+// consecutive k: the same grouped-GEMM kernel as the MoE down projection, run as one expert that
+// every token is routed to in order (no routing, no slot weights). FP8 stays in memory and is widened
+// to bf16 in registers; bf16 mma, fp32 accumulation, bf16 or fp32 out. Decode reads N*K*(1 + 1/32)
+// bytes of weights once. K % 32 == 0; any M, N.
+struct Fp8LinearParams {
+  const __nv_bfloat16* x = nullptr;  // [M, K]
+  const uint8_t* w = nullptr;        // [N, K] e4m3
+  const uint8_t* w_scale = nullptr;  // [N, K / 32] E8M0
+  void* out = nullptr;               // [M, N] bf16, or fp32 when out_f32
+  bool out_f32 = false;
+  int M = 0, N = 0, K = 0;
+};
+void launch_fp8_linear(const Fp8LinearParams& p, cudaStream_t stream);
 
 // Helpers for the per-expert cuBLAS baseline of bench/bench_moe (not used by the engine):
 // acc[token[r], :] += w[r] * y[r, :] for r < n (fp32 atomics), and out = bf16(scale * in).
