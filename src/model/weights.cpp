@@ -115,8 +115,6 @@ io::TensorView resolve(const io::Checkpoint& ck, const PieceRef& r) {
   TPMOE_FAIL("internal: unknown weight piece {}", int(r.piece));
 }
 
-}
-
 }  // namespace
 
 bool shared_expert_format_matches(const io::Checkpoint& ck) {
