@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "backends/cpu/decision_margins.h"
 #include "model/ops.h"
 
 namespace tpmoe::cpu {
@@ -36,6 +37,10 @@ class CpuOps final : public Ops {
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
+  // Records every router and indexer decision margin of the steps that follow into `recorder`
+  // (nullptr stops). Only reads what the ops compute anyway: the logits stay bitwise the same.
+  void set_decision_recorder(DecisionRecorder* recorder) { recorder_ = recorder; }
+
  private:
   struct LayerCache {
     std::vector<float> k, v;     // [max_seqs][max_len][num_kv_heads][head_dim]
@@ -45,6 +50,10 @@ class CpuOps final : public Ops {
   CacheShape cache_shape_;
   std::vector<LayerCache> cache_;
   std::vector<std::unique_ptr<std::byte[]>> workspace_;
+  DecisionRecorder* recorder_ = nullptr;
+  // The layer whose attention ran last: the forward runs each layer's attention before its MLP
+  // (model.cpp), so a router call belongs to this layer. Only the recorder reads it.
+  int last_attention_layer_ = -1;
 };
 
 // Free functions the ops are built from, exposed so tests can check them on their own.
