@@ -61,9 +61,9 @@ EngineOptions cuda_options(bool shared_fusion = true) {
 // real divergence. Rule: bound = 2x the largest per-row distance measured over the non-exempt rows,
 // rounded up to one significant digit.
 // TODO(lead): measured X (largest non-exempt row) on H200 at commit Y; bound = Z. Until then the
-// bound below is provisional: 1e-2, about reference_bf16's median error per row against fp32 (0.011
-// prefill, 0.009 steps), which two bf16 paths of the same kernels should not be apart by.
-constexpr double kFusedVsUnfusedRowBound = 1e-2;
+// bound below is provisional: 2e-2, about 3.5x the median row distance of the two paths recorded in
+// docs/PERF.md at commit 2bd01de (0.0055; its largest non-exempt row was not recorded).
+constexpr double kFusedVsUnfusedRowBound = 2e-2;
 
 // Relative L2 of each row of `row_size` values.
 std::vector<double> row_errors(const std::vector<float>& got, const std::vector<float>& want, size_t row_size) {
@@ -80,18 +80,26 @@ void expect_paths_agree(const char* what, const std::vector<float>& fused, const
                         size_t row_size, const std::vector<test::LogitRow>& rows) {
   const std::vector<double> errs = row_errors(fused, unfused, row_size);
   ASSERT_EQ(errs.size(), rows.size()) << what;
-  double worst = 0;
-  std::string worst_row = "-";
+  std::vector<double> kept;  // non-exempt rows
+  size_t worst = rows.size();
+  std::string exempt_list;
   for (size_t r = 0; r < rows.size(); ++r) {
     if (rows[r].exempt) {
       EXPECT_LE(errs[r], test::YardstickRule{}.exempt_limit) << what << " " << rows[r].label << " (exempt row)";
+      exempt_list += fmt::format(" {}: {:.3g};", rows[r].label, errs[r]);
       continue;
     }
-    if (errs[r] > worst) worst = errs[r], worst_row = rows[r].label;
+    kept.push_back(errs[r]);
+    if (worst == rows.size() || errs[r] > errs[worst]) worst = r;
     EXPECT_LE(errs[r], kFusedVsUnfusedRowBound) << what << " " << rows[r].label;
   }
-  std::printf("fused vs unfused %s: largest non-exempt row %.3g (%s), all rows together %.3g, bound %.3g\n", what,
-              worst, worst_row.c_str(), test::relative_l2(fused, unfused), kFusedVsUnfusedRowBound);
+  std::sort(kept.begin(), kept.end());
+  std::printf(
+      "fused vs unfused %s: largest non-exempt row %.3g (%s), median non-exempt row %.3g, all rows together %.3g, "
+      "bound %.3g per non-exempt row; exempt rows (limit %.3g):%s\n",
+      what, worst < rows.size() ? errs[worst] : 0.0, worst < rows.size() ? rows[worst].label.c_str() : "-",
+      kept.empty() ? 0.0 : kept[kept.size() / 2], test::relative_l2(fused, unfused), kFusedVsUnfusedRowBound,
+      test::YardstickRule{}.exempt_limit, exempt_list.empty() ? " none" : exempt_list.c_str());
 }
 
 // The fixture on the GPU, both shared-expert paths, against the fp32 reference. Rows where the CPU
