@@ -28,11 +28,12 @@ runs `tpmoe bench` --repeats times (a fresh process each, with its own warm-up) 
 same way.
 
 CUDA graphs: a compiled decode step is only worth its name if it replays CUDA graphs. After the
-measured repetitions, one more generate of the "compile" setting runs under torch.profiler and the
-CUDA runtime calls are counted: cudaGraphLaunch (graph replays) against cudaLaunchKernel (kernels
-launched one by one). The setting is accepted only with at least one graph launch per decode step;
-the counts, and inductor's cudagraph counters (cudagraph_skips says why a graph was not used), are
-printed and written to the JSON either way.
+measured repetitions, one more generate of the "compile" setting runs with torch.cuda.CUDAGraph.replay
+wrapped to count its calls and under torch.profiler, whose CUDA runtime calls are counted:
+cudaGraphLaunch (graph replays) against cudaLaunchKernel (kernels launched one by one). The setting
+is accepted only with at least one graph replay per decode step; the counts, and inductor's cudagraph
+counters (cudagraph_skips: graphs it declined to record), are printed and written to the JSON either
+way.
 """
 import argparse
 import json
@@ -100,30 +101,54 @@ def load(model_dir):
 
 
 def graph_evidence(run_once, decode_steps):
-    """Runs one generate under torch.profiler and counts CUDA runtime launches: graph replays
-    (cudaGraphLaunch) against single kernel launches (cudaLaunchKernel*), with inductor's cudagraph
-    counters. Returns a dict; 'replays_graphs' is true when there is a graph launch per decode step."""
+    """Runs one generate and counts CUDA graph replays two independent ways: torch.cuda.CUDAGraph.replay
+    calls (wrapped for the run; inductor's cudagraph trees replay through it) and, under torch.profiler,
+    the CUDA runtime's cudaGraphLaunch calls against single kernel launches (cudaLaunchKernel*,
+    cuLaunchKernel*); plus inductor's cudagraph counters. 'replays_graphs' is true when either count
+    shows at least one graph replay per decode step."""
     import collections
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     try:
         from torch._dynamo.utils import counters
     except ImportError:  # very old torch
         counters = None
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_once()
-        torch.cuda.synchronize()
-    names = collections.Counter(e.name for e in prof.events())
+    replays = [0]
+    original_replay = torch.cuda.CUDAGraph.replay
+
+    def counting_replay(self, *args, **kwargs):
+        replays[0] += 1
+        return original_replay(self, *args, **kwargs)
+
+    names = collections.Counter()
+    profiler_error = None
+    torch.cuda.CUDAGraph.replay = counting_replay
+    try:
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                run_once()
+                torch.cuda.synchronize()
+            names.update(e.name for e in prof.events())
+        except Exception as e:  # the replay count still stands; say why the profiler's does not
+            profiler_error = f"{type(e).__name__}: {str(e)[:200]}"
+            replays[0] = 0
+            run_once()
+    finally:
+        torch.cuda.CUDAGraph.replay = original_replay
     graph_launches = sum(n for name, n in names.items() if "GraphLaunch" in name)
     kernel_launches = sum(n for name, n in names.items() if "LaunchKernel" in name)
     # cudagraph_skips counts graphs inductor declined to record (TORCH_LOGS=perf_hints prints why).
     inductor = {k: v for k, v in counters["inductor"].items() if "cudagraph" in k} if counters is not None else {}
-    return {"graph_launches": graph_launches, "kernel_launches": kernel_launches, "decode_steps": decode_steps,
+    return {"cuda_graph_replay_calls": replays[0], "graph_launches": graph_launches,
+            "kernel_launches": kernel_launches, "decode_steps": decode_steps,
+            "replays_per_decode_step": replays[0] / max(1, decode_steps),
             "graph_launches_per_decode_step": graph_launches / max(1, decode_steps),
             "kernel_launches_per_decode_step": kernel_launches / max(1, decode_steps),
-            "replays_graphs": graph_launches >= decode_steps, "inductor_cudagraph_counters": inductor,
+            "replays_graphs": max(replays[0], graph_launches) >= decode_steps,
+            "inductor_cudagraph_counters": inductor, "profiler_error": profiler_error,
             "launch_names": {k: v for k, v in names.items() if "Launch" in k}}
 
 
@@ -192,15 +217,18 @@ def hf_measure(model, batch, prompt_len, new_tokens, mode, warmup, repeats):
             raise RuntimeError("transformers did not compile the decode step (auto-compile criteria not met)")
         ev = graph_evidence(once, decode_steps=new_tokens - 1)
         result["cuda_graphs"] = ev
-        log(f"  CUDA graph evidence (torch.profiler over one more generate of {new_tokens - 1} decode steps): "
-            f"{ev['graph_launches']} graph launches, {ev['kernel_launches']} single kernel launches "
+        log(f"  CUDA graph evidence over one more generate of {new_tokens - 1} decode steps: "
+            f"{ev['cuda_graph_replay_calls']} CUDAGraph.replay calls; torch.profiler: {ev['graph_launches']} "
+            f"cudaGraphLaunch, {ev['kernel_launches']} single kernel launches "
             f"({ev['graph_launches_per_decode_step']:.2f} / {ev['kernel_launches_per_decode_step']:.1f} per decode "
-            f"step); launch calls {ev['launch_names']}; inductor cudagraph counters "
-            f"{ev['inductor_cudagraph_counters'] or 'none'}")
+            f"step), launch calls {ev['launch_names']}"
+            f"{', profiler failed: ' + ev['profiler_error'] if ev['profiler_error'] else ''}; "
+            f"inductor cudagraph counters {ev['inductor_cudagraph_counters'] or 'none'}")
         if not ev["replays_graphs"]:
-            raise RuntimeError(f"the compiled decode step does not replay CUDA graphs: {ev['graph_launches']} graph "
-                               f"launches for {new_tokens - 1} decode steps ({ev['kernel_launches']} single kernel "
-                               f"launches; inductor: {ev['inductor_cudagraph_counters']})")
+            raise RuntimeError(f"the compiled decode step does not replay CUDA graphs: {ev['cuda_graph_replay_calls']} "
+                               f"replays and {ev['graph_launches']} graph launches for {new_tokens - 1} decode "
+                               f"steps ({ev['kernel_launches']} single kernel launches; inductor: "
+                               f"{ev['inductor_cudagraph_counters']})")
     return result
 
 
