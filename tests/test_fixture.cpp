@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <span>
 
 #include "io/checkpoint.h"
 #include "io/safetensors.h"
@@ -131,6 +133,47 @@ TEST(Fixture, OracleAgainstTheBf16Yardstick) {
                                     << "), a flipped choice, but the oracle's margin there is " << labels[r].margin;
     }
   }
+}
+
+// The yardstick rule can fail: a non-exempt row pushed past slack x reference_bf16 + floor fails (and
+// with it the overall figure), an exempt row may move by a flip's worth but not past the exempt limit,
+// and a NaN fails anywhere.
+TEST(Fixture, YardstickRuleRejectsWhatItShould) {
+  const test::FixtureReference ref = test::load_fixture_reference();
+  const test::FixtureYardstick yard = test::load_fixture_yardstick();
+  const size_t V = size_t(ref.V), rows = size_t(ref.B * ref.P);
+  std::vector<test::LogitRow> labels(rows);
+  for (size_t r = 0; r < rows; ++r) labels[r].label = "row " + std::to_string(r);
+  labels[16].exempt = true;
+  const test::YardstickRule rule;
+  // Every row moved by exactly its bound's worth times `factor` (row 16 by `exempt_move`).
+  auto moved = [&](double factor, double exempt_move) {
+    std::vector<float> got = ref.prefill_logits;
+    for (size_t r = 0; r < rows; ++r) {
+      const auto row = std::span(ref.prefill_logits).subspan(r * V, V);
+      const double bound =
+          labels[r].exempt ? exempt_move
+                           : factor * (rule.per_row_slack *
+                                           test::relative_l2(std::span(yard.prefill_logits).subspan(r * V, V), row) +
+                                       rule.per_row_floor);
+      for (size_t v = 0; v < V; ++v) got[r * V + v] = float(row[v] * (1.0 + bound));  // relative L2 = bound
+    }
+    return got;
+  };
+  const auto judge = [&](const std::vector<float>& got) {
+    return test::judge_against_yardstick(got, ref.prefill_logits, yard.prefill_logits, V, labels, rule);
+  };
+  EXPECT_TRUE(judge(ref.prefill_logits).ok());
+  // Just inside every row's bound: only the overall figure fails (every row near 2x reference_bf16 +
+  // floor is over 1.5x reference_bf16 together).
+  const test::YardstickResult inside = judge(moved(0.99, 0.3));
+  ASSERT_EQ(inside.failures.size(), 1u) << inside.table;
+  EXPECT_NE(inside.failures.front().find("together"), std::string::npos) << inside.failures.front();
+  const test::YardstickResult outside = judge(moved(1.05, 0.6));
+  EXPECT_EQ(outside.failures.size(), rows + 1) << "every row and the overall figure";
+  std::vector<float> nan_row = ref.prefill_logits;
+  nan_row[16 * V + 3] = std::nanf("");
+  EXPECT_FALSE(judge(nan_row).ok()) << "a NaN in an exempt row";
 }
 
 }  // namespace
