@@ -9,14 +9,15 @@
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "io/safetensors.h"
+#include "oracle_margins.h"
 #include "test_util.h"
 #include "tpmoe/tpmoe.h"
 
 namespace tpmoe {
 namespace {
 
-// A whole forward in bf16 storage against fp32: the bound for the fixture (the measured
-// figure is printed; docs/PERF.md records it).
+// A whole forward in bf16 storage against fp32, on random presets where no reference_bf16 exists
+// (the fixture is held to the reference implementation's own bf16 error instead).
 constexpr double kModelTolerance = 3e-2;
 
 struct ModelRun {
@@ -54,67 +55,85 @@ EngineOptions cuda_options(bool shared_fusion = true) {
   return o;
 }
 
-// Prompt positions whose logits a bf16 engine cannot be held to: there the fp32 reference makes a
-// discrete choice by less than bf16 can resolve. The lightning indexer of layer 2 keeps one key block
-// over another by 0.00929 at position 37 (5.5017 vs 5.4924) and by 0.01435 at position 16 (7.8114 vs
-// 7.7970): 0.17% and 0.18% of the score, under bf16's 0.39% spacing (2^-8) for the hidden state the
-// scores come from. Measured with the CPU oracle (select_blocks) on this fixture; every other block
-// choice and every router top-k boundary of the prompt has a margin of 1% or more. A bf16 engine may
-// keep the other block there, and the whole position's logits move (seen: 0.2 at those positions
-// with shared-expert fusion on, under 0.01 everywhere else).
-const std::vector<int> kUnresolvablePositions = {16, 37};
+// The fused and unfused GPU paths against each other, row by row (a row: one prompt position or one
+// decode step). Both are bf16 paths of the same kernels except the shared expert's, so they sit far
+// closer to each other than either sits to the fp32 reference, and the reference bound would hide a
+// real divergence. Rule: bound = 2x the largest per-row distance measured over the non-exempt rows,
+// rounded up to one significant digit.
+// TODO(lead): measured X (largest non-exempt row) on H200 at commit Y; bound = Z. Until then the
+// bound below is provisional: 2e-2, about 3.5x the median row distance of the two paths recorded in
+// docs/PERF.md at commit 2bd01de (0.0055; its largest non-exempt row was not recorded).
+constexpr double kFusedVsUnfusedRowBound = 2e-2;
 
-// Relative L2 over the [P, V] prefill logits, leaving out the positions above.
-double prefill_error_resolvable(const std::vector<float>& got, const std::vector<float>& want, int V) {
-  std::vector<float> a, b;
-  for (size_t p = 0; p * V < want.size(); ++p) {
-    if (std::find(kUnresolvablePositions.begin(), kUnresolvablePositions.end(), int(p)) != kUnresolvablePositions.end())
+// Relative L2 of each row of `row_size` values.
+std::vector<double> row_errors(const std::vector<float>& got, const std::vector<float>& want, size_t row_size) {
+  std::vector<double> out;
+  for (size_t r = 0; r * row_size < want.size(); ++r)
+    out.push_back(test::relative_l2(std::span(got).subspan(r * row_size, row_size),
+                                    std::span(want).subspan(r * row_size, row_size)));
+  return out;
+}
+
+// Fused vs unfused over one kind of rows: every non-exempt row within kFusedVsUnfusedRowBound, every
+// exempt row (a discrete choice either path may take the other way) finite and under the exempt limit.
+void expect_paths_agree(const char* what, const std::vector<float>& fused, const std::vector<float>& unfused,
+                        size_t row_size, const std::vector<test::LogitRow>& rows) {
+  const std::vector<double> errs = row_errors(fused, unfused, row_size);
+  ASSERT_EQ(errs.size(), rows.size()) << what;
+  std::vector<double> kept;  // non-exempt rows
+  size_t worst = rows.size();
+  std::string exempt_list;
+  for (size_t r = 0; r < rows.size(); ++r) {
+    if (rows[r].exempt) {
+      EXPECT_LE(errs[r], test::YardstickRule{}.exempt_limit) << what << " " << rows[r].label << " (exempt row)";
+      exempt_list += fmt::format(" {}: {:.3g};", rows[r].label, errs[r]);
       continue;
-    a.insert(a.end(), got.begin() + p * V, got.begin() + (p + 1) * V);
-    b.insert(b.end(), want.begin() + p * V, want.begin() + (p + 1) * V);
+    }
+    kept.push_back(errs[r]);
+    if (worst == rows.size() || errs[r] > errs[worst]) worst = r;
+    EXPECT_LE(errs[r], kFusedVsUnfusedRowBound) << what << " " << rows[r].label;
   }
-  return test::relative_l2(a, b);
+  std::sort(kept.begin(), kept.end());
+  std::printf(
+      "fused vs unfused %s: largest non-exempt row %.3g (%s), median non-exempt row %.3g, all rows together %.3g, "
+      "bound %.3g per non-exempt row; exempt rows (limit %.3g):%s\n",
+      what, worst < rows.size() ? errs[worst] : 0.0, worst < rows.size() ? rows[worst].label.c_str() : "-",
+      kept.empty() ? 0.0 : kept[kept.size() / 2], test::relative_l2(fused, unfused), kFusedVsUnfusedRowBound,
+      test::YardstickRule{}.exempt_limit, exempt_list.empty() ? " none" : exempt_list.c_str());
 }
 
-// Per-position relative L2 of [P, V] logits, worst first: a flipped discrete choice shows up as one
-// or two positions far above the rest.
-void print_worst_positions(const char* what, const std::vector<float>& got, const std::vector<float>& want, int V) {
-  std::vector<std::pair<double, int>> errs;
-  for (size_t p = 0; p * V < want.size(); ++p)
-    errs.push_back({test::relative_l2(std::span(got).subspan(p * V, V), std::span(want).subspan(p * V, V)), int(p)});
-  std::sort(errs.rbegin(), errs.rend());
-  std::printf("  %s worst positions:", what);
-  for (size_t i = 0; i < std::min<size_t>(4, errs.size()); ++i) std::printf(" %d:%.3g", errs[i].second, errs[i].first);
-  std::printf(" (median %.3g)\n", errs[errs.size() / 2].first);
-}
-
+// The fixture on the GPU, both shared-expert paths, against the fp32 reference. Rows where the CPU
+// oracle itself decides a router top-k or an indexer block by less than test::kExemptMargin are
+// found from the oracle's recorded margins and exempt from the yardstick (a bf16 path may take the
+// other branch there); they are printed and held to a looser limit. Every other row is held to the
+// reference implementation's own bf16 error on that row (test::YardstickRule).
 TEST(CudaModel, FixtureMatchesReference) {
   TPMOE_REQUIRE_GPU();
   const auto dir = test::fixtures_dir() / "m3-tiny";
-  const auto ref = io::SafetensorsSet::open_file(dir / "reference.safetensors");
-  const auto prompts = rows_i64(*ref.find("input_ids"));
-  const auto generated = rows_i64(*ref.find("generated_ids"));
-  const int G = int(generated[0].size());
-  const std::vector<float> ref_prefill = io::to_f32(*ref.find("prefill_logits"));
-  const int V = int(ref.find("prefill_logits")->shape[2]);
+  const test::FixtureReference ref = test::load_fixture_reference();
+  const test::FixtureYardstick yard = test::load_fixture_yardstick();
+  const test::OracleRun oracle = test::run_fixture_oracle(ref);
+  const test::FixtureRows rows = test::fixture_logit_rows(ref, oracle.decisions);
+  test::print_exempt_rows(rows);
+  const size_t V = size_t(ref.V);
   std::vector<ModelRun> runs;
   for (bool fused : {true, false}) {
     auto engine = Engine::from_checkpoint(dir, cuda_options(fused));
-    const ModelRun r = run_model(*engine, prompts, generated, G);
-    const double prefill_all = test::relative_l2(r.prefill, ref_prefill);
-    const double prefill_err = prefill_error_resolvable(r.prefill, ref_prefill, V);
-    const double step_err = test::relative_l2(r.steps, io::to_f32(*ref.find("step_logits")));
-    std::printf("GPU fixture, shared-expert fusion %s: relative L2 prefill %.3g (all positions %.3g), steps %.3g\n",
-                fused ? "on" : "off", prefill_err, prefill_all, step_err);
-    print_worst_positions("prefill vs reference", r.prefill, ref_prefill, V);
-    EXPECT_LT(prefill_err, kModelTolerance);
-    EXPECT_LT(step_err, kModelTolerance);
+    const ModelRun r = run_model(*engine, ref.prompts, ref.generated, int(ref.G));
+    for (const bool steps : {false, true}) {
+      const test::YardstickResult j = test::judge_against_yardstick(
+          steps ? r.steps : r.prefill, steps ? ref.step_logits : ref.prefill_logits,
+          steps ? yard.step_logits : yard.prefill_logits, V, steps ? rows.steps : rows.prefill);
+      std::printf("GPU fixture, shared-expert fusion %s, %s against the fp32 reference (all rows together %.3g):\n%s",
+                  fused ? "on" : "off", steps ? "decode steps" : "prefill",
+                  test::relative_l2(steps ? r.steps : r.prefill, steps ? ref.step_logits : ref.prefill_logits),
+                  j.table.c_str());
+      for (const std::string& f : j.failures) ADD_FAILURE() << (fused ? "fused, " : "unfused, ") << f;
+    }
     runs.push_back(r);
   }
-  // The two GPU paths against each other, within the same bound.
-  print_worst_positions("fused vs unfused prefill", runs[0].prefill, runs[1].prefill, V);
-  EXPECT_LT(prefill_error_resolvable(runs[0].prefill, runs[1].prefill, V), kModelTolerance);
-  EXPECT_LT(test::relative_l2(runs[0].steps, runs[1].steps), kModelTolerance);
+  expect_paths_agree("prefill", runs[0].prefill, runs[1].prefill, V, rows.prefill);
+  expect_paths_agree("decode steps", runs[0].steps, runs[1].steps, V, rows.steps);
 }
 
 TEST(CudaModel, FusedEqualsUnfused) {

@@ -7,6 +7,8 @@
 #include <random>
 #include <stdexcept>
 
+#include <fmt/format.h>
+
 #include "io/safetensors.h"
 
 namespace tpmoe::test {
@@ -78,6 +80,57 @@ double relative_l2(std::span<const float> a, std::span<const float> b) {
     den += double(b[i]) * double(b[i]);
   }
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+FixtureYardstick load_fixture_yardstick() {
+  const auto file = io::SafetensorsSet::open_file(fixtures_dir() / "m3-tiny" / "reference_bf16.safetensors");
+  const auto* prefill = file.find("prefill_logits");
+  const auto* steps = file.find("step_logits");
+  if (!prefill || !steps) throw std::runtime_error("reference_bf16.safetensors: a tensor is missing");
+  return {io::to_f32(*prefill), io::to_f32(*steps)};
+}
+
+YardstickResult judge_against_yardstick(std::span<const float> got, std::span<const float> reference,
+                                        std::span<const float> yardstick, size_t row_size,
+                                        const std::vector<LogitRow>& rows, const YardstickRule& rule) {
+  YardstickResult r;
+  if (got.size() != reference.size() || yardstick.size() != reference.size() ||
+      rows.size() * row_size != reference.size()) {
+    r.failures.push_back(fmt::format("shapes differ: got {} values, reference {}, yardstick {}, {} rows of {}",
+                                     got.size(), reference.size(), yardstick.size(), rows.size(), row_size));
+    return r;
+  }
+  std::vector<float> kept_got, kept_ref, kept_yard;  // the non-exempt rows, for the overall figures
+  r.table = fmt::format("  {:<18} {:<46} {:>9} {:>9} {:>9}  {}\n", "row", "smallest oracle margin", "error", "ref_bf16",
+                        "bound", "exempt");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const auto row = [&](std::span<const float> v) { return v.subspan(i * row_size, row_size); };
+    const double err = relative_l2(row(got), row(reference)), yard = relative_l2(row(yardstick), row(reference));
+    r.error.push_back(err);
+    r.yardstick_error.push_back(yard);
+    const double bound = rows[i].exempt ? rule.exempt_limit : rule.per_row_slack * yard + rule.per_row_floor;
+    // relative_l2 is infinite for any NaN or infinity, so `err <= bound` also demands finite logits.
+    const bool pass = err <= bound;
+    r.table += fmt::format("  {:<18} {:<46} {:>9.3g} {:>9.3g} {:>9.3g}  {}{}\n", rows[i].label, rows[i].margin, err,
+                           yard, bound, rows[i].exempt ? "yes" : "no", pass ? "" : "  <-- FAILS");
+    if (!pass)
+      r.failures.push_back(fmt::format(
+          "{}: relative L2 {:.4g} over its bound {:.4g} ({})", rows[i].label, err, bound,
+          rows[i].exempt ? "exempt row: finite and under the exempt limit" : "slack x reference_bf16 + floor"));
+    if (rows[i].exempt) continue;
+    kept_got.insert(kept_got.end(), row(got).begin(), row(got).end());
+    kept_ref.insert(kept_ref.end(), row(reference).begin(), row(reference).end());
+    kept_yard.insert(kept_yard.end(), row(yardstick).begin(), row(yardstick).end());
+  }
+  r.overall = relative_l2(kept_got, kept_ref);
+  r.yardstick_overall = relative_l2(kept_yard, kept_ref);
+  const double overall_bound = rule.overall_slack * r.yardstick_overall;
+  r.table += fmt::format("  non-exempt rows together: error {:.3g}, ref_bf16 {:.3g}, bound {:.3g}\n", r.overall,
+                         r.yardstick_overall, overall_bound);
+  if (!(r.overall <= overall_bound))
+    r.failures.push_back(fmt::format("non-exempt rows together: relative L2 {:.4g} over {:.4g} = {} x reference_bf16",
+                                     r.overall, overall_bound, rule.overall_slack));
+  return r;
 }
 
 }  // namespace tpmoe::test

@@ -67,10 +67,9 @@ float swiglu_oai(float gate, float up, const SwigluParams& p) {
 }
 
 std::vector<int> select_blocks(const float* scores, int pos, int block_size, int topk_blocks, int local_blocks) {
-  const int num_blocks = pos / block_size + 1;  // blocks holding a key <= pos
-  std::vector<float> block_score(size_t(num_blocks), -kInf);
-  for (int t = 0; t <= pos; ++t) block_score[t / block_size] = std::max(block_score[t / block_size], scores[t]);
-  for (int j = 0; j < local_blocks; ++j) block_score[std::max(0, pos / block_size - j)] = kInf;
+  // The same block scores the decision recorder measures margins on.
+  const std::vector<float> block_score = indexer_block_scores(scores, pos, block_size, local_blocks);
+  const int num_blocks = int(block_score.size());
   std::vector<int> order(static_cast<size_t>(num_blocks));
   std::iota(order.begin(), order.end(), 0);
   const int keep = std::min(topk_blocks, num_blocks);
@@ -102,6 +101,7 @@ void CpuOps::init_cache(const CacheShape& shape) {
 
 void CpuOps::begin_step(const StepTokens& step) {
   workspace_.clear();
+  if (recorder_) recorder_->begin_step(step);
   for (int t = 0; t < step.num_tokens(); ++t) {
     TPMOE_CHECK(step.seq_slots[t] >= 0 && step.seq_slots[t] < cache_shape_.max_seqs,
                 "sequence slot {} outside the cache's {} slots", step.seq_slots[t], cache_shape_.max_seqs);
@@ -196,6 +196,11 @@ void CpuOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor inde
         std::fill(visible.begin(), visible.end(), 0);
         for (int b : select_blocks(scores.data(), pos, p.block_size, p.topk_blocks, p.local_blocks))
           for (int s = b * p.block_size; s < std::min(pos + 1, (b + 1) * p.block_size); ++s) visible[s] = 1;
+        if (recorder_) {
+          const auto blocks = indexer_block_scores(scores.data(), pos, p.block_size, p.local_blocks);
+          if (const auto boundary = indexer_block_boundary(blocks, p.topk_blocks))
+            recorder_->record(t, {DecisionKind::kIndexerBlocks, p.layer, g, *boundary});
+        }
       }
       for (int j = g * group; j < (g + 1) * group; ++j) {
         const float* qv = q.as<float>() + (size_t(t) * p.num_q_heads + j) * hd;
@@ -240,6 +245,9 @@ void CpuOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Ten
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
                       [&](int a, int b) { return choice[a] != choice[b] ? choice[a] > choice[b] : a < b; });
+    if (recorder_)
+      if (const auto boundary = top_k_boundary(choice, k))
+        recorder_->record(t, {DecisionKind::kRouterTopK, p.layer, -1, *boundary});
     float sum = 0;
     for (int i = 0; i < k; ++i) sum += score[order[i]];
     int32_t* ids = slot_ids.as<int32_t>() + size_t(t) * slots;

@@ -6,6 +6,7 @@
 #include <memory>
 #include <vector>
 
+#include "backends/cpu/decision_margins.h"
 #include "model/ops.h"
 
 namespace tpmoe::cpu {
@@ -41,6 +42,10 @@ class CpuOps final : public Ops {
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
+  // Records every router and indexer decision margin of the steps that follow into `recorder`
+  // (nullptr stops). Only reads what the ops compute anyway: the logits stay bitwise the same.
+  void set_decision_recorder(DecisionRecorder* recorder) { recorder_ = recorder; }
+
  private:
   struct LayerCache {
     std::vector<float> k, v;     // [max_seqs][max_len][num_kv_heads][head_dim]
@@ -52,6 +57,7 @@ class CpuOps final : public Ops {
   std::vector<std::unique_ptr<std::byte[]>> workspace_;
   std::vector<uint8_t> routed_;  // [layer][expert]: chosen since the last take (routing stats on)
   int routed_experts_ = 0;
+  DecisionRecorder* recorder_ = nullptr;
 };
 
 // Free functions the ops are built from, exposed so tests can check them on their own.
