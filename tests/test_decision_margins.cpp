@@ -109,13 +109,14 @@ TEST(DecisionMargins, CpuOpsRecordsWhatTheOpsDecide) {
   // Blocks of 2: positions 0-3 see at most two blocks (all kept); positions 4 and 5 see three, the
   // last one local, so one of blocks {0, 1} is kept. Position 5 reads channel 0: block 0 max 3,
   // block 1 max 2.5, margin 0.5/3. Position 4 reads channel 1: block 0 max 4, block 1 max 3, 1/4.
-  // Router at layer 1 (the layer whose attention ran): scores sigmoid(0) = 0.5 plus the bias choose;
+  // Router of layer 1: scores sigmoid(0) = 0.5 plus the bias choose;
   // choices 0.8, 0.6, 0.7, 0.5 keep 0.8 and 0.7 over 0.6, margin 0.1/0.7 on every token.
   Tensor logits = ops.alloc_typed(T, 4, DType::kF32), bias = ops.alloc_typed(1, 4, DType::kF32);
   std::fill_n(logits.as<float>(), T * 4, 0.f);
   const float bias_values[4] = {0.3f, 0.1f, 0.2f, 0.f};
   std::memcpy(bias.data, bias_values, sizeof bias_values);
   RouterParams rp;
+  rp.layer = 1;
   rp.num_experts = 4;
   rp.top_k = 2;
   Tensor ids = ops.alloc_typed(T, 2, DType::kI32), weights = ops.alloc_typed(T, 2, DType::kF32);
