@@ -3,8 +3,8 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
-#include <ctime>
 #include <cstdio>
+#include <ctime>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>

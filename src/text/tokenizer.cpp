@@ -454,8 +454,7 @@ void Tokenizer::Impl::parse_model(const json& j) {
     const auto a = spelling_to_id.find(left), b = spelling_to_id.find(right), ab = spelling_to_id.find(left + right);
     TPMOE_CHECK(a != spelling_to_id.end(), "{}: merge #{}: token '{}' is not in the vocab", where, rank, left);
     TPMOE_CHECK(b != spelling_to_id.end(), "{}: merge #{}: token '{}' is not in the vocab", where, rank, right);
-    TPMOE_CHECK(ab != spelling_to_id.end(), "{}: merge #{}: token '{}' is not in the vocab", where, rank,
-                left + right);
+    TPMOE_CHECK(ab != spelling_to_id.end(), "{}: merge #{}: token '{}' is not in the vocab", where, rank, left + right);
     // A repeated pair takes its last rank, as in Hugging Face's map built in merge order.
     merges[uint64_t(uint32_t(a->second)) << 32 | uint32_t(b->second)] = {int32_t(rank), ab->second};
   }

@@ -57,8 +57,8 @@ shared the numbers with the team, and planned the next set of experiments for th
 // Learns up to `max_merges` merges (pairs seen at least twice) from the corpus. Tokens are byte strings;
 // ids 0..255 are the bytes.
 struct Learned {
-  std::vector<std::string> tokens;                    // by id
-  std::vector<std::pair<int32_t, int32_t>> merges;    // in rank order
+  std::vector<std::string> tokens;                  // by id
+  std::vector<std::pair<int32_t, int32_t>> merges;  // in rank order
 };
 
 Learned learn_merges(int max_merges) {
@@ -91,10 +91,9 @@ Learned learn_merges(int max_merges) {
     int64_t best_count = 1;  // a pair seen once is not worth a token
     for (const auto& [pair, count] : counts) {
       const bool better =
-          count > best_count ||
-          (count == best_count && best &&
-           std::tie(l.tokens[size_t(pair.first)], l.tokens[size_t(pair.second)]) <
-               std::tie(l.tokens[size_t(best->first)], l.tokens[size_t(best->second)]));
+          count > best_count || (count == best_count && best &&
+                                 std::tie(l.tokens[size_t(pair.first)], l.tokens[size_t(pair.second)]) <
+                                     std::tie(l.tokens[size_t(best->first)], l.tokens[size_t(best->second)]));
       if (better) best = &pair, best_count = count;
     }
     if (!best) break;
@@ -131,8 +130,9 @@ std::string json_quoted(const std::string& s) { return nlohmann::json(s).dump();
 }  // namespace
 
 std::string make_preset_tokenizer_json(int vocab_size) {
-  TPMOE_CHECK(vocab_size >= 256 + kNumSpecialTokens, "preset tokenizer: vocab_size {} is below {} (256 bytes + {} specials)",
-              vocab_size, 256 + kNumSpecialTokens, kNumSpecialTokens);
+  TPMOE_CHECK(vocab_size >= 256 + kNumSpecialTokens,
+              "preset tokenizer: vocab_size {} is below {} (256 bytes + {} specials)", vocab_size,
+              256 + kNumSpecialTokens, kNumSpecialTokens);
   const int model_size = vocab_size - kNumSpecialTokens;
   const Learned l = learn_merges(model_size - 256);
   std::vector<std::string> vocab;
@@ -153,11 +153,13 @@ std::string make_preset_tokenizer_json(int vocab_size) {
   out += fmt::format("{{\"type\":\"Split\",\"pattern\":{{\"Regex\":{}}},\"behavior\":\"Isolated\",\"invert\":false}},",
                      json_quoted(kPresetPattern));
   out += "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":false}]},";
-  out += "\"post_processor\":{\"type\":\"ByteLevel\",\"add_prefix_space\":true,\"trim_offsets\":false,"
-         "\"use_regex\":true},";
+  out +=
+      "\"post_processor\":{\"type\":\"ByteLevel\",\"add_prefix_space\":true,\"trim_offsets\":false,"
+      "\"use_regex\":true},";
   out += "\"decoder\":{\"type\":\"ByteLevel\",\"add_prefix_space\":true,\"trim_offsets\":true,\"use_regex\":true},";
-  out += "\"model\":{\"type\":\"BPE\",\"dropout\":null,\"unk_token\":null,\"continuing_subword_prefix\":null,"
-         "\"end_of_word_suffix\":null,\"fuse_unk\":false,\"byte_fallback\":false,\"ignore_merges\":false,\"vocab\":{";
+  out +=
+      "\"model\":{\"type\":\"BPE\",\"dropout\":null,\"unk_token\":null,\"continuing_subword_prefix\":null,"
+      "\"end_of_word_suffix\":null,\"fuse_unk\":false,\"byte_fallback\":false,\"ignore_merges\":false,\"vocab\":{";
   for (size_t i = 0; i < vocab.size(); ++i) out += fmt::format("{}{}:{}", i ? "," : "", json_quoted(vocab[i]), i);
   out += "},\"merges\":[";
   for (size_t i = 0; i < l.merges.size(); ++i)

@@ -58,9 +58,7 @@ std::string onig_to_pcre2(std::string_view p, const std::string& what) {
           out += '\\';
           out += d;
           break;
-        default:
-          out += '\\';
-          out += d;
+        default: out += '\\'; out += d;
       }
       continue;
     }
@@ -85,8 +83,8 @@ Regex::Regex(std::string_view pattern, bool literal, const std::string& what) : 
   PCRE2_SIZE offset = 0;
   // PCRE2_LITERAL admits no PCRE2_UCP (nothing in a literal depends on it).
   const uint32_t options = PCRE2_UTF | (literal ? PCRE2_LITERAL : PCRE2_UCP);
-  code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options, &error, &offset,
-                        nullptr);
+  code_ =
+      pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), options, &error, &offset, nullptr);
   TPMOE_CHECK(code_, "{}: invalid regex at offset {}: {}", what, size_t(offset), pcre2_message(error));
   jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
   match_data_ = pcre2_match_data_create_from_pattern(code_, nullptr);

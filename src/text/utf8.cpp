@@ -1,6 +1,8 @@
 // UTF-8 validation, decoding and lossy conversion (see utf8.h).
 #include "text/utf8.h"
 
+#include <cstring>
+
 namespace tpmoe::text {
 
 namespace {
@@ -59,6 +61,10 @@ void append_utf8(std::string& out, char32_t cp) {
 size_t find_invalid_utf8(std::string_view s) {
   size_t i = 0;
   while (i < s.size()) {
+    // ASCII runs, 8 bytes at a time.
+    uint64_t word;
+    while (i + 8 <= s.size() && (std::memcpy(&word, s.data() + i, 8), (word & 0x8080808080808080ull) == 0)) i += 8;
+    if (i >= s.size()) break;
     const uint8_t b = uint8_t(s[i]);
     if (b < 0x80) {
       ++i;
