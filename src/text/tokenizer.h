@@ -94,10 +94,12 @@ class StreamDecoder {
 };
 
 // A tokenizer.json for the built-in presets: byte-level BPE (the o200k-style regex MiniMax-like
-// tokenizers use), the 256 byte tokens, merges learned deterministically from a small embedded English
-// corpus, then (for large vocabularies) placeholder tokens no merge can reach, then the special tokens
-// at the end of the vocabulary: MiniMax M2's `]!p~[` (pad), `]~b]` (role start), `[e~[` (end of
-// message), `]~!b[` (begin of sequence), `<think>`, `</think>`, and `<|endoftext|>`. vocab_size >= 300.
+// tokenizers use), ids 0..255 the bytes, then merges learned deterministically from a small embedded
+// English corpus (a few hundred; the corpus runs out), then for large vocabularies placeholder tokens
+// `<|tpmoe_unused_N|>` that no merge produces (encode never returns them), then the 7 special tokens at
+// the end of the vocabulary, in this order: `<|endoftext|>`, and MiniMax M2's `]!p~[` (pad), `]~b]` (role
+// start), `[e~[` (end of message, the eos), `]~!b[` (begin of sequence), `<think>`, `</think>`.
+// vocab_size >= 263. Loads in Hugging Face tokenizers too (tested).
 std::string make_preset_tokenizer_json(int vocab_size);
 
 }  // namespace tpmoe::text
