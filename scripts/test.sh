@@ -4,6 +4,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# The tokenizer test compares with Hugging Face tokenizers (tests/tokenizer/compare_hf.py).
+python3 -m pip install -q tokenizers==0.22.1
 jobs=$(nproc)
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
 
