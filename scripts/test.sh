@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
+# test_chat_template renders its expected outputs with Jinja2, the library Hugging Face renders chat
+# templates with.
+python3 -m pip install -q jinja2==3.1.6
 jobs=$(nproc)
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
 
