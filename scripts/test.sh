@@ -4,8 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# The tokenizer test compares with Hugging Face tokenizers (tests/tokenizer/compare_hf.py).
-python3 -m pip install -q tokenizers==0.22.1
+# Test-only references from PyPI: Hugging Face tokenizers (tests/tokenizer/compare_hf.py) and Jinja2,
+# which Hugging Face renders chat templates with (tests/chat_template/render_reference.py).
+python3 -m pip install -q tokenizers==0.22.1 jinja2==3.1.6
 jobs=$(nproc)
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
 
@@ -13,8 +14,9 @@ cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 cmake --build build -j "$jobs"
 ctest --test-dir build --output-on-failure -j "$jobs" --timeout 600
 
-# The CPU-only build (what a machine without the CUDA toolkit makes) must build every target too.
-if [ "${TPMOE_SKIP_CPU_ONLY_BUILD:-0}" != 1 ]; then
+# The CPU-only build (what a machine without the CUDA toolkit makes) must build every target too;
+# without the toolkit the build above already was that one.
+if command -v nvcc >/dev/null && [ "${TPMOE_SKIP_CPU_ONLY_BUILD:-0}" != 1 ]; then
   cmake -S . -B build-cpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTPMOE_CUDA=OFF >/dev/null
   cmake --build build-cpu -j "$jobs"
   echo "cpu-only build: every target built"
