@@ -9,8 +9,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cli/text_model.h"
 #include "core/error.h"
 #include "engine/bench.h"
+#include "engine/launch.h"
 #include "engine/op_bench.h"
 #include "engine/report.h"
 #include "io/checkpoint.h"
@@ -110,18 +112,75 @@ void warn_unknown(const Engine& engine) {
 
 // ---- generate ----------------------------------------------------------------------------------
 
+// How the next token is chosen, as flags (SamplingParams, include/tpmoe/sampling.h).
+struct SamplingFlags {
+  SamplingParams params;
+  std::optional<uint64_t> seed;
+  std::vector<std::string> stop;
+  std::string stop_token_ids;
+
+  void add_to(CLI::App* app) {
+    app->add_option("--temperature", params.temperature, "0: greedy (the default)");
+    app->add_option("--top-k", params.top_k, "keep the k most likely tokens (0: off)");
+    app->add_option("--top-p", params.top_p, "keep the most likely tokens holding this much probability (1: off)");
+    app->add_option("--min-p", params.min_p, "keep tokens at least this times the most likely one's probability");
+    app->add_option("--repetition-penalty", params.repetition_penalty, "over prompt and output tokens (1: off)");
+    app->add_option("--presence-penalty", params.presence_penalty, "over output tokens (0: off)");
+    app->add_option("--frequency-penalty", params.frequency_penalty, "over output tokens (0: off)");
+    app->add_option("--sampling-seed", seed, "the same request and seed give the same tokens (default: random)");
+    app->add_option("--stop", stop, "stop before this text (repeatable; needs text: --prompt or --chat)");
+    app->add_option("--stop-token-ids", stop_token_ids, "comma-separated ids that end a sequence");
+    app->add_flag("--ignore-eos", params.ignore_eos, "keep generating past the model's end-of-sequence tokens");
+  }
+  SamplingParams resolved() const {
+    SamplingParams p = params;
+    p.seed = seed;
+    p.stop = stop;
+    if (!stop_token_ids.empty()) {
+      const auto ids = parse_int_list(stop_token_ids, "--stop-token-ids");
+      p.stop_token_ids.assign(ids.begin(), ids.end());
+    }
+    return p;
+  }
+};
+
 struct GenerateFlags {
   ModelFlags model;
-  std::string input, prompt_ids, dump;
+  SamplingFlags sampling;
+  std::string input, prompt_ids, prompt, dump;
+  bool chat = false;
   std::optional<int> max_new_tokens;
   bool teacher_force = false;
 };
 
+// Reads a conversation (a JSON list of messages, or {"messages": [...], "tools": ...}) from stdin.
+text::ChatRequest read_chat_request() {
+  const std::string input{std::istreambuf_iterator<char>(std::cin), {}};
+  nlohmann::ordered_json j;
+  try {
+    j = nlohmann::ordered_json::parse(input);
+  } catch (const std::exception& e) {
+    TPMOE_FAIL("--chat: stdin is not JSON: {}", e.what());
+  }
+  return text::parse_chat_request(j);
+}
+
 void run_generate(const GenerateFlags& f) {
   GenerateRequest req;
   std::vector<std::vector<int32_t>> file_generated;
-  TPMOE_CHECK(f.input.empty() || f.prompt_ids.empty(), "give --input or --prompt-ids, not both");
-  if (!f.input.empty()) {
+  TPMOE_CHECK(int(!f.input.empty()) + int(!f.prompt_ids.empty()) + int(!f.prompt.empty()) + int(f.chat) <= 1,
+              "give one of --input, --prompt-ids, --prompt and --chat");
+  const bool text_mode = !f.prompt.empty() || f.chat;
+  auto engine = f.model.load(f.model.options());
+  warn_unknown(*engine);
+  std::optional<cli::TextModel> text_model;
+  if (text_mode) {
+    text_model = cli::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
+    const std::string prompt = f.chat ? text_model->render_chat(read_chat_request()) : f.prompt;
+    const auto ids = text_model->tokenizer.encode(prompt);
+    TPMOE_CHECK(!ids.empty(), "the prompt encodes to no tokens");
+    req.prompts.push_back(ids);
+  } else if (!f.input.empty()) {
     const auto file = io::SafetensorsSet::open_file(f.input);
     const io::TensorView* ids = file.find("input_ids");
     TPMOE_CHECK(ids && ids->shape.size() == 2, "{}: needs an 'input_ids' tensor of shape [B, P]", f.input);
@@ -139,7 +198,7 @@ void run_generate(const GenerateFlags& f) {
     const auto ids = parse_int_list(f.prompt_ids, "--prompt-ids");
     req.prompts.emplace_back(ids.begin(), ids.end());
   } else {
-    TPMOE_CHECK(f.model.model_dir.empty(), "generate: give --input FILE or --prompt-ids 1,2,3");
+    TPMOE_CHECK(f.model.model_dir.empty(), "generate: give --prompt TEXT, --chat, --input FILE or --prompt-ids 1,2,3");
     req.prompts.push_back({1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16});
     fmt::print("embedded default: preset '{}', prompt ids 1..16\n",
                f.model.preset.empty() ? kDefaultPreset : f.model.preset);
@@ -150,18 +209,33 @@ void run_generate(const GenerateFlags& f) {
   }
   req.max_new_tokens = f.max_new_tokens.value_or(f.teacher_force ? int(file_generated[0].size()) : 16);
   req.return_prefill_logits = !f.dump.empty();
+  req.sampling = f.sampling.resolved();
+  if (text_mode) {
+    if (!req.sampling.ignore_eos) req.eos_token_ids = text_model->eos_ids;
+    // The reply, streamed as it is produced (only the primary rank's process prints).
+    cli::attach_text_stream(req, text_model->tokenizer, [](int, const std::string& text) {
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+    });
+  }
 
-  auto engine = f.model.load(f.model.options());
-  warn_unknown(*engine);
   const GenerateResult r = engine->generate(req);
   if (!engine->is_primary()) return;  // under mpirun, rank 0's process reports and writes
-  const int B = int(req.prompts.size()), G = req.max_new_tokens, V = r.vocab_size;
-  for (int b = 0; b < B; ++b) fmt::print("sequence {}: {}\n", b, fmt::join(r.generated[b], " "));
-  const double decode_tokens = double(B) * (G - 1);
+  const int B = int(req.prompts.size()),
+            G = int(r.step_logits.empty() ? r.step_seconds.size() + 1 : r.step_logits.size()), V = r.vocab_size;
+  if (text_mode) fmt::print("\n[{}]\n", r.finish_reasons[0]);
+  size_t decoded = 0;
+  for (int b = 0; b < B; ++b) {
+    fmt::print("sequence {}: {}\n", b, fmt::join(r.generated[b], " "));
+    decoded += r.generated[b].size() - 1;
+  }
   fmt::print("prefill {:.1f} ms; decode {} steps x {} sequences in {:.1f} ms ({:.1f} tokens/s)\n",
-             r.prefill_seconds * 1e3, G - 1, B, r.decode_seconds * 1e3,
-             r.decode_seconds > 0 ? decode_tokens / r.decode_seconds : 0.0);
+             r.prefill_seconds * 1e3, r.step_seconds.size(), B, r.decode_seconds * 1e3,
+             r.decode_seconds > 0 ? double(decoded) / r.decode_seconds : 0.0);
   if (f.dump.empty()) return;
+  for (const auto& g : r.generated)
+    TPMOE_CHECK(int(g.size()) == G, "--dump: a sequence stopped early ({} of {} tokens); dump without stop conditions",
+                g.size(), G);
 
   std::map<std::string, io::OwnedTensor> out;
   const size_t P = req.prompts[0].size();
@@ -187,6 +261,51 @@ void run_generate(const GenerateFlags& f) {
   fmt::print("wrote {}\n", f.dump);
 }
 
+// ---- chat --------------------------------------------------------------------------------------
+
+struct ChatFlags {
+  ModelFlags model;
+  SamplingFlags sampling;
+  int max_new_tokens = 512;
+  std::string system;
+};
+
+// An interactive chat in the terminal: each line typed is a user message; the reply streams back
+// and joins the conversation. An empty line, /exit or the end of input ends it.
+void run_chat(const ChatFlags& f) {
+  TPMOE_CHECK(!launched_by_mpi(), "chat reads the terminal in one process: start it without mpirun (--tp N works)");
+  auto engine = f.model.load(f.model.options());
+  warn_unknown(*engine);
+  const cli::TextModel tm = cli::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
+  nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+  if (!f.system.empty()) messages.push_back({{"role", "system"}, {"content", f.system}});
+  fmt::print("chat with {} (an empty line or /exit ends it)\n",
+             f.model.model_dir.empty()
+                 ? fmt::format("the '{}' preset", f.model.preset.empty() ? kDefaultPreset : f.model.preset)
+                 : f.model.model_dir);
+  for (std::string line;;) {
+    fmt::print("> ");
+    std::fflush(stdout);
+    if (!std::getline(std::cin, line) || line.empty() || line == "/exit") break;
+    messages.push_back({{"role", "user"}, {"content", line}});
+    text::ChatRequest chat;
+    chat.messages = messages;
+    GenerateRequest req;
+    req.prompts.push_back(tm.tokenizer.encode(tm.render_chat(chat)));
+    req.max_new_tokens = f.max_new_tokens;
+    req.return_step_logits = false;
+    req.sampling = f.sampling.resolved();
+    if (!req.sampling.ignore_eos) req.eos_token_ids = tm.eos_ids;
+    cli::attach_text_stream(req, tm.tokenizer, [](int, const std::string& text) {
+      std::fwrite(text.data(), 1, text.size(), stdout);
+      std::fflush(stdout);
+    });
+    const GenerateResult r = engine->generate(req);
+    fmt::print("\n");
+    messages.push_back({{"role", "assistant"}, {"content", r.texts[0]}});
+  }
+}
+
 // ---- make-model --------------------------------------------------------------------------------
 
 struct MakeModelFlags {
@@ -201,8 +320,11 @@ void run_make_model(const MakeModelFlags& f) {
   const auto layout = f.layout == "hub" ? io::CheckpointLayout::kHub : io::CheckpointLayout::kTransformers;
   const DType dtype = f.dtype == "f32" ? DType::kF32 : f.dtype == "mxfp8" ? DType::kF8E4M3 : DType::kBF16;
   if (dtype == DType::kF8E4M3) set_mxfp8(config);  // quantized linears + quantization_config
+  config.eos_token_ids = cli::preset_eos_ids(config.vocab_size);
   io::write_checkpoint(f.out, config, random_weights(config, f.seed, dtype), layout, f.shards);
-  fmt::print("wrote {} ({}, {} layers, {} shard(s))\n", f.out, io::layout_name(layout), config.num_layers, f.shards);
+  cli::write_preset_text_files(f.out, config.vocab_size);  // tokenizer.json, chat_template.jinja
+  fmt::print("wrote {} ({}, {} layers, {} shard(s), with a tokenizer and chat template)\n", f.out,
+             io::layout_name(layout), config.num_layers, f.shards);
 }
 
 // ---- inspect -----------------------------------------------------------------------------------
@@ -368,11 +490,14 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   GenerateFlags gen;
-  auto* g = app.add_subcommand("generate", "generate tokens greedily (embedded default model without --model)");
+  auto* g = app.add_subcommand("generate", "generate text or tokens (embedded default model without --model)");
   gen.model.add_to(g);
   g->add_option("--input", gen.input,
                 "safetensors file with input_ids i64 [B,P] (and generated_ids for teacher forcing)");
   g->add_option("--prompt-ids", gen.prompt_ids, "one prompt as comma-separated token ids");
+  g->add_option("--prompt", gen.prompt, "one prompt as text (the reply is printed as it is produced)");
+  g->add_flag("--chat", gen.chat, "a conversation as JSON on stdin, rendered with the model's chat template");
+  gen.sampling.add_to(g);
   g->add_option("--max-new-tokens", gen.max_new_tokens, "tokens to generate per sequence (G)")
       ->check(CLI::PositiveNumber);
   g->add_flag("--teacher-force", gen.teacher_force, "feed the input file's generated_ids at each decode step");
@@ -416,6 +541,13 @@ int main(int argc, char** argv) {
   bo->add_option("op", bench_op, "allreduce")->required()->check(CLI::IsMember({"allreduce"}));
   bo->add_option("--tp", bench_op_tp, "ranks, one GPU each (under mpirun: the processes)")->check(CLI::PositiveNumber);
 
+  ChatFlags ch;
+  auto* c = app.add_subcommand("chat", "an interactive chat in the terminal (embedded default model without --model)");
+  ch.model.add_to(c);
+  ch.sampling.add_to(c);
+  c->add_option("--max-new-tokens", ch.max_new_tokens, "tokens per reply at most")->check(CLI::PositiveNumber);
+  c->add_option("--system", ch.system, "a system message to start the conversation with");
+
   TokenizeFlags tk;
   auto* t = app.add_subcommand("tokenize", "JSON lines on stdin: strings -> token ids, or ids -> text (--decode)");
   t->add_option("--tokenizer", tk.tokenizer, "a tokenizer.json, or a model folder holding one")->required();
@@ -438,6 +570,8 @@ int main(int argc, char** argv) {
       run_bench(bf);
     else if (*t)
       run_tokenize(tk);
+    else if (*c)
+      run_chat(ch);
     else if (*bo)
       run_allreduce_bench(bench_op_tp);
   } catch (const Error& e) {
