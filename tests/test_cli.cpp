@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -98,7 +99,7 @@ class Cli : public ::testing::Test {
 };
 
 TEST_F(Cli, HelpOfEverySubcommandExitsZero) {
-  for (const char* cmd : {"", "generate ", "make-model ", "inspect ", "bench "}) {
+  for (const char* cmd : {"", "generate ", "make-model ", "inspect ", "bench ", "chat ", "tokenize "}) {
     const auto r = test::run_cli(std::string(cmd) + "--help");
     EXPECT_EQ(r.exit_code, 0) << cmd << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << cmd << r.output;
@@ -234,6 +235,57 @@ TEST_F(Cli, TeacherForceWithoutGeneratedIds) {
   expect_clean_error(
       test::run_cli("generate --model " + quoted(fixture()) + " --input " + quoted(input) + " --teacher-force"),
       {"--teacher-force", "generated_ids"});
+}
+
+// ---- text ----
+
+// The embedded default model speaks text out of the box: the preset tokenizer and chat template.
+TEST_F(Cli, PromptTextOnTheEmbeddedDefault) {
+  const auto r = test::run_cli("generate --device cpu --prompt 'hello there' --max-new-tokens 6");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("sequence 0: "), std::string::npos) << r.output;
+  EXPECT_TRUE(r.output.find("[length]") != std::string::npos || r.output.find("[stop]") != std::string::npos)
+      << r.output;
+}
+
+// make-model writes a tokenizer and chat template beside the weights; --chat renders a conversation
+// from stdin with them; the same seed samples the same reply.
+TEST_F(Cli, ChatOnAMadeModelWithSamplingIsRepeatable) {
+  const fs::path model = dir_ / "tiny";
+  ASSERT_EQ(test::run_cli("make-model --preset tiny --layers 2 --out " + quoted(model)).exit_code, 0);
+  for (const char* f : {"tokenizer.json", "chat_template.jinja", "tokenizer_config.json"})
+    EXPECT_TRUE(fs::exists(model / f)) << f;
+  const fs::path chat = dir_ / "chat.json";
+  write_file(chat, R"([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}])");
+  const std::string cmd = "generate --device cpu --model " + quoted(model) +
+                          " --chat --temperature 0.8 --top-p 0.9 --sampling-seed 42 --max-new-tokens 8 < " +
+                          quoted(chat);
+  const auto a = test::run_cli(cmd), b = test::run_cli(cmd);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  EXPECT_EQ(a.output.substr(0, a.output.find("prefill")), b.output.substr(0, b.output.find("prefill")));
+  // The interactive chat reads user lines until an empty one.
+  const fs::path lines = dir_ / "lines.txt";
+  write_file(lines, "hello
+how are you
+
+");
+  const auto c = test::run_cli("chat --device cpu --model " + quoted(model) + " --max-new-tokens 4 < " + quoted(lines));
+  ASSERT_EQ(c.exit_code, 0) << c.output;
+  EXPECT_EQ(std::count(c.output.begin(), c.output.end(), '>'), 3) << c.output;  // two turns, then the end
+}
+
+TEST_F(Cli, TextErrorsAreClear) {
+  // A checkpoint without a tokenizer cannot take text.
+  expect_clean_error(test::run_cli("generate --device cpu --model " + quoted(fixture()) + " --prompt hi"),
+                     {"tokenizer.json"});
+  // Stop strings need text.
+  expect_clean_error(test::run_cli("generate --device cpu --prompt-ids 1,2,3 --stop x"), {"stop strings"});
+  // A bad sampling parameter is named.
+  expect_clean_error(test::run_cli("generate --device cpu --prompt hi --temperature -1"), {"temperature"});
+  // Malformed chat JSON on stdin.
+  const fs::path chat = dir_ / "bad.json";
+  write_file(chat, "[{\"role\": \"user\",");
+  expect_clean_error(test::run_cli("generate --device cpu --chat < " + quoted(chat)), {"--chat"});
 }
 
 TEST_F(Cli, NonexistentModelDirIsNamed) {
