@@ -176,6 +176,13 @@ TEST(ChatTemplateErrors, SyntaxErrorsNameLineAndColumn) {
   EXPECT_NE(msg.find("comment"), std::string::npos) << msg;
   msg = error_of([] { ChatTemplate::parse("{{ x"); });
   EXPECT_NE(msg.find("expected '}}'"), std::string::npos) << msg;
+  // Deep nesting is refused, not a stack overflow.
+  msg = error_of([] { ChatTemplate::parse("{{ " + std::string(5000, '(') + "1" + std::string(5000, ')') + " }}"); });
+  EXPECT_NE(msg.find("nests deeper"), std::string::npos) << msg;
+  std::string blocks;
+  for (int i = 0; i < 5000; ++i) blocks += "{% if true %}";
+  msg = error_of([&] { ChatTemplate::parse(blocks); });
+  EXPECT_NE(msg.find("nests deeper"), std::string::npos) << msg;
 }
 
 TEST(ChatTemplateErrors, UnsupportedTagsSayWhat) {
@@ -211,6 +218,10 @@ TEST(ChatTemplateErrors, RuntimeErrorsNameTheLine) {
   EXPECT_NE(msg.find("MAX_RANGE"), std::string::npos) << msg;
   msg = error_of([] { render("{{ 'x' * 1000000000000 }}"); });
   EXPECT_NE(msg.find("too large"), std::string::npos) << msg;
+  msg = error_of([] {
+    render("{% set ns = namespace(v=[]) %}{% for i in range(2000) %}{% set ns.v = [ns.v] %}{% endfor %}{{ ns.v }}");
+  });
+  EXPECT_NE(msg.find("maximum recursion depth"), std::string::npos) << msg;
   msg = error_of([] { render("{{ undefined_name | tojson }}"); });
   EXPECT_NE(msg.find("not JSON serializable"), std::string::npos) << msg;
 }

@@ -699,8 +699,12 @@ class Interpreter {
     return Flow::kNormal;
   }
 
-  Value make_macro(const Node& node, const FramePtr& defined_in) {
+  Value make_macro(const Node& node, const FramePtr& scope) {
     const Node* macro = &node;
+    // The scope holds the macro and the macro reads the scope: the interpreter owns the scope (until
+    // the render ends) and the macro points at it, so no reference cycle leaks them.
+    scopes_.push_back(scope);
+    Frame* defined_in = scope.get();
     return Value::function(node.name, [this, macro, defined_in](CallArgs& a) -> Value {
       if (a.args.size() > macro->params.size())
         fail(fmt::format("macro '{}' takes not more than {} argument(s)", macro->name, macro->params.size()));
@@ -709,7 +713,8 @@ class Interpreter {
           fail(fmt::format("macro '{}' takes no keyword argument '{}'", macro->name, k));
       if (macro_depth_ >= kMaxMacroDepth)
         fail(fmt::format("maximum recursion depth exceeded in macro '{}'", macro->name));
-      auto f = child(defined_in);
+      auto f = std::make_shared<Frame>();
+      f->parent = std::shared_ptr<Frame>(std::shared_ptr<Frame>(), defined_in);  // non-owning
       for (size_t i = 0; i < macro->params.size(); ++i) {
         const Value* given = a.get(i, macro->params[i]);
         if (given) {
@@ -1146,8 +1151,8 @@ class Interpreter {
       return Value(std::move(out));
     }
     if (name == "removeprefix" || name == "removesuffix") {
-      const std::string& p =
-          require_string(arg(0) ? *arg(0) : Value(None{}), fmt::format("{}() argument", name).c_str());
+      if (!arg(0)) fail(fmt::format("{}() takes exactly one argument", name));
+      const std::string& p = require_string(*arg(0), fmt::format("{}() argument", name).c_str());
       if (name == "removeprefix") return Value(s.compare(0, p.size(), p) == 0 ? s.substr(p.size()) : s);
       return Value(s.size() >= p.size() && s.compare(s.size() - p.size(), p.size(), p) == 0
                        ? s.substr(0, s.size() - p.size())
@@ -1674,6 +1679,7 @@ class Interpreter {
 
   const RenderOptions& options_;
   FramePtr globals_, root_;
+  std::vector<FramePtr> scopes_;  // scopes that define macros, alive until the render ends
   int line_ = 0;
   int macro_depth_ = 0;
 };

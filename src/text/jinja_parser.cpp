@@ -421,7 +421,19 @@ class Parser {
   }
 
   // Statements until a block tag whose first name is in `end_names` (left current, after "{%").
+  // Nesting deeper than this (blocks in blocks, parentheses in parentheses) is an error rather than a
+  // stack overflow; real templates nest a handful of levels.
+  static constexpr int kMaxDepth = 200;
+  struct DepthGuard {
+    Parser& p;
+    explicit DepthGuard(Parser& parser) : p(parser) {
+      if (++p.depth_ > kMaxDepth) p.error(fmt::format("template nests deeper than {} levels", kMaxDepth));
+    }
+    ~DepthGuard() { --p.depth_; }
+  };
+
   Body subparse(const std::vector<std::string>& end_names) {
+    DepthGuard guard(*this);
     Body body;
     while (true) {
       const Token& t = cur();
@@ -711,6 +723,7 @@ class Parser {
   }
 
   ExprPtr parse_not() {
+    DepthGuard guard(*this);
     if (is_name("not")) {
       auto e = make(Expr::Kind::kNot, cur());
       next();
@@ -796,6 +809,7 @@ class Parser {
   }
 
   ExprPtr parse_unary(bool with_filter) {
+    DepthGuard guard(*this);
     ExprPtr node;
     if (is_op("-") || is_op("+")) {
       node = make(Expr::Kind::kUnary, cur());
@@ -1034,6 +1048,7 @@ class Parser {
   const Lexer& lexer_;
   std::vector<Token> tokens_;
   size_t pos_ = 0;
+  int depth_ = 0;
 };
 
 }  // namespace

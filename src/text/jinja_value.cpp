@@ -158,14 +158,29 @@ std::string string_repr(const std::string& s) {
 
 }  // namespace
 
-std::string repr(const Value& v) {
+namespace {
+
+// Values nested deeper than this are an error when printed or serialized (Python's repr and json.dumps
+// raise RecursionError near there too) rather than a stack overflow.
+constexpr int kMaxNesting = 512;
+
+std::string repr_at(const Value& v, int depth);
+
+}  // namespace
+
+std::string repr(const Value& v) { return repr_at(v, 0); }
+
+namespace {
+
+std::string repr_at(const Value& v, int depth) {
+  if (depth > kMaxNesting) fail("maximum recursion depth exceeded while printing a value");
   if (v.is_string()) return string_repr(v.as_string());
   if (v.is_list()) {
     const auto& l = *v.as_list();
     std::string out = l.is_tuple ? "(" : "[";
     for (size_t i = 0; i < l.items.size(); ++i) {
       if (i) out += ", ";
-      out += repr(l.items[i]);
+      out += repr_at(l.items[i], depth + 1);
     }
     if (l.is_tuple && l.items.size() == 1) out += ",";
     out += l.is_tuple ? ")" : "]";
@@ -177,13 +192,15 @@ std::string repr(const Value& v) {
     for (const auto& [k, item] : v.as_dict()->items) {
       if (!first) out += ", ";
       first = false;
-      out += string_repr(k) + ": " + repr(item);
+      out += string_repr(k) + ": " + repr_at(item, depth + 1);
     }
     return out + "}";
   }
   if (v.is_undefined()) return "Undefined";
   return to_str(v);
 }
+
+}  // namespace
 
 std::string to_str(const Value& v) {
   if (v.is_undefined()) return "";
@@ -290,6 +307,7 @@ void json_string(std::string& out, const std::string& s, bool ensure_ascii) {
 }
 
 void json_write(std::string& out, const Value& v, const JsonOptions& o, int level) {
+  if (level > kMaxNesting) fail("maximum recursion depth exceeded while encoding a JSON object");
   auto newline = [&](int depth) {
     if (!o.has_indent) return;
     out += '\n';
