@@ -265,10 +265,7 @@ TEST_F(Cli, ChatOnAMadeModelWithSamplingIsRepeatable) {
   EXPECT_EQ(a.output.substr(0, a.output.find("prefill")), b.output.substr(0, b.output.find("prefill")));
   // The interactive chat reads user lines until an empty one.
   const fs::path lines = dir_ / "lines.txt";
-  write_file(lines, "hello
-how are you
-
-");
+  write_file(lines, "hello\nhow are you\n\n");
   const auto c = test::run_cli("chat --device cpu --model " + quoted(model) + " --max-new-tokens 4 < " + quoted(lines));
   ASSERT_EQ(c.exit_code, 0) << c.output;
   EXPECT_NE(c.output.find("chat with"), std::string::npos) << c.output;
