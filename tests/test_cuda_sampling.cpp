@@ -27,6 +27,7 @@
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "engine/sampling.h"
+#include "sampling_test_util.h"
 
 namespace tpmoe {
 namespace {
@@ -38,16 +39,9 @@ struct Combo {
   SamplingParams sp;
 };
 
+// Short name for the many parameter sets below.
 SamplingParams make(float t, int k = 0, float p = 1, float min_p = 0, float rep = 1, float pres = 0, float freq = 0) {
-  SamplingParams sp;
-  sp.temperature = t;
-  sp.top_k = k;
-  sp.top_p = p;
-  sp.min_p = min_p;
-  sp.repetition_penalty = rep;
-  sp.presence_penalty = pres;
-  sp.frequency_penalty = freq;
-  return sp;
+  return test::sampling_params(t, k, p, min_p, rep, pres, freq);
 }
 
 const std::vector<Combo>& combos() {

@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "engine/sampling.h"
 #include "model/sampling_math.h"
+#include "sampling_test_util.h"
 
 namespace tpmoe {
 namespace {
@@ -180,16 +181,9 @@ struct Case {
   SamplingParams sp;
 };
 
+// Short name for the many parameter sets below.
 SamplingParams make(float t, int k = 0, float p = 1, float min_p = 0, float rep = 1, float pres = 0, float freq = 0) {
-  SamplingParams sp;
-  sp.temperature = t;
-  sp.top_k = k;
-  sp.top_p = p;
-  sp.min_p = min_p;
-  sp.repetition_penalty = rep;
-  sp.presence_penalty = pres;
-  sp.frequency_penalty = freq;
-  return sp;
+  return test::sampling_params(t, k, p, min_p, rep, pres, freq);
 }
 
 // Draws 20000 samples of a V=24 row and checks them against the oracle at significance 1e-4; the
