@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <memory>
 #include <random>
 #include <span>
 #include <vector>
@@ -182,8 +184,9 @@ void check_head_norm_rope(const RopeCase& c, uint64_t seed) {
   rp.rotary_dim = c.rotary_dim;
   rp.theta = c.theta;
   rp.eps = kEps;
-  ops.head_norm_rope(Tensor::make(ref.data(), DType::kF32, c.tokens, int64_t(c.heads) * c.head_dim), c.heads,
-                     Tensor::make(w.data(), DType::kF32, c.head_dim), rp);
+  const HeadNormRope item{Tensor::make(ref.data(), DType::kF32, c.tokens, int64_t(c.heads) * c.head_dim), c.heads,
+                          Tensor::make(w.data(), DType::kF32, c.head_dim), rp};
+  ops.head_norm_rope(std::span(&item, 1));
 
   const std::vector<float> got = from_bf16(d_x.download());
   EXPECT_LE(relative_l2(got, ref), test::kTolBf16);
@@ -210,6 +213,48 @@ TEST(CudaNorm, HeadNormRopeMatchesCpu) {
   };
   uint64_t seed = 1000;
   for (const auto& c : cases) check_head_norm_rope(c, seed += 10);
+}
+
+// A layer's q, k, index q and index k in one launch give bitwise what one launch each gives.
+TEST(CudaNorm, HeadNormRopeBatchEqualsOneLaunchEach) {
+  TPMOE_REQUIRE_GPU();
+  const int T = 5;
+  const RopeCase cases[] = {{T, 8, 128, 64, 5e6f}, {T, 1, 128, 64, 5e6f}, {T, 4, 64, 64, 5e6f}, {T, 1, 64, 64, 5e6f}};
+  std::vector<int32_t> positions{0, 3, 17, 1000, 4999};
+  DeviceBuffer<int32_t> d_pos(positions);
+  std::vector<std::unique_ptr<DeviceBuffer<__nv_bfloat16>>> batched, single;
+  std::vector<std::unique_ptr<DeviceBuffer<float>>> weights;
+  std::vector<cuda::HeadNormRopeParams> params;
+  uint64_t seed = 77;
+  for (const RopeCase& c : cases) {
+    const auto x = to_bf16(random_floats(size_t(T) * c.heads * c.head_dim, 1.f, seed++));
+    batched.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(x));
+    single.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(x));
+    weights.push_back(std::make_unique<DeviceBuffer<float>>(random_floats(size_t(c.head_dim), 0.1f, seed++)));
+    cuda::HeadNormRopeParams p;
+    p.weight = weights.back()->get();
+    p.positions = d_pos.get();
+    p.num_tokens = T;
+    p.num_heads = c.heads;
+    p.head_dim = c.head_dim;
+    p.rotary_dim = c.rotary_dim;
+    p.theta = c.theta;
+    p.eps = kEps;
+    params.push_back(p);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    params[i].x = batched[i]->get();
+  }
+  cuda::launch_head_norm_rope_batch(params.data(), int(params.size()), nullptr);
+  for (size_t i = 0; i < params.size(); ++i) {
+    cuda::HeadNormRopeParams p = params[i];
+    p.x = single[i]->get();
+    cuda::launch_head_norm_rope(p, nullptr);
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto a = batched[i]->download(), b = single[i]->download();
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])), 0) << "tensor " << i;
+  }
 }
 
 TEST(CudaNorm, HeadNormRopeRejectsUnsupportedShapes) {

@@ -62,8 +62,8 @@ void Model::attention(int l, Tensor h, int T, Tensor out) {
   ops_.linear(h, a.q_proj, q);
   ops_.linear(h, a.k_proj, k);
   ops_.linear(h, a.v_proj, v);
-  ops_.head_norm_rope(q, nq, a.q_norm, rope);
-  ops_.head_norm_rope(k, nkv, a.k_norm, rope);
+  // q, k and (sparse layers) the indexer's q and k are normed and rotated together, in one call.
+  std::vector<HeadNormRope> rotate = {{q, nq, a.q_norm, rope}, {k, nkv, a.k_norm, rope}};
 
   AttentionParams p;
   p.layer = l;
@@ -80,14 +80,15 @@ void Model::attention(int l, Tensor h, int T, Tensor out) {
     index_k = ops_.alloc(T, ihd);
     ops_.linear(h, a.index_q_proj, index_q);
     ops_.linear(h, a.index_k_proj, index_k);
-    ops_.head_norm_rope(index_q, nih, a.index_q_norm, index_rope);
-    ops_.head_norm_rope(index_k, 1, a.index_k_norm, index_rope);
+    rotate.push_back({index_q, nih, a.index_q_norm, index_rope});
+    rotate.push_back({index_k, 1, a.index_k_norm, index_rope});
     p.num_index_heads = nih;
     p.index_head_dim = ihd;
     p.block_size = c_.index_block_size;
     p.topk_blocks = c_.index_topk_blocks;
     p.local_blocks = c_.index_local_blocks;
   }
+  ops_.head_norm_rope(rotate);
   Tensor attn = ops_.alloc(T, nq * hd);
   ops_.attention(q, k, v, index_q, index_k, p, attn);
   ops_.linear(attn, a.o_proj, out);  // row-parallel: a partial sum under tp > 1

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <span>
 #include <vector>
 
 #include "model/tensor.h"
@@ -44,6 +45,14 @@ struct RopeParams {
   int rotary_dim = 0;
   float theta = 0;
   float eps = 0;  // of the per-head Gemma norm that precedes RoPE
+};
+
+// One tensor for head_norm_rope: x[T, num_heads * rope.head_dim] in place, its per-head norm weight.
+struct HeadNormRope {
+  Tensor x;
+  int num_heads = 0;
+  Tensor weight;
+  RopeParams rope;
 };
 
 struct AttentionParams {
@@ -135,9 +144,10 @@ class Ops {
   virtual void add(Tensor x, Tensor y) = 0;
   // out[T, N] = x[T, K] w[N, K]^T
   virtual void linear(Tensor x, Tensor weight, Tensor out) = 0;
-  // In place on x[T, heads * head_dim]: per-head Gemma norm with weight[head_dim], then NeoX RoPE on
-  // the first rotary_dim channels at the step's positions.
-  virtual void head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) = 0;
+  // In place on each x[T, heads * head_dim]: per-head Gemma norm with weight[head_dim], then NeoX
+  // RoPE on the first rotary_dim channels at the step's positions. Several tensors in one call (a
+  // layer's q, k and the indexer's q, k): a backend may do them in one launch.
+  virtual void head_norm_rope(std::span<const HeadNormRope> items) = 0;
   // Writes k, v (and index_k) of the step into the cache, then out[T, nq*hd] = causal GQA attention
   // of q over the cached keys; on sparse layers (index_q non-empty) only over the blocks the
   // lightning indexer keeps for each query's KV group.

@@ -144,7 +144,11 @@ void CpuOps::linear(Tensor x, Tensor weight, Tensor out) {
   matmul_rows(x.as<float>(), x.dim(0), x.dim(1), weight, weight.dim(0), out.as<float>());
 }
 
-void CpuOps::head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) {
+void CpuOps::head_norm_rope(std::span<const HeadNormRope> items) {
+  for (const HeadNormRope& item : items) head_norm_rope_one(item.x, item.num_heads, item.weight, item.rope);
+}
+
+void CpuOps::head_norm_rope_one(Tensor x, int num_heads, Tensor weight, const RopeParams& p) {
   const int hd = p.head_dim, half = p.rotary_dim / 2;
   std::vector<float> inv_freq(static_cast<size_t>(half));
   for (int i = 0; i < half; ++i) inv_freq[i] = float(std::pow(double(p.theta), -2.0 * i / p.rotary_dim));

@@ -25,7 +25,7 @@ class CpuOps final : public Ops {
   void add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) override;
   void add(Tensor x, Tensor y) override;
   void linear(Tensor x, Tensor weight, Tensor out) override;
-  void head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) override;
+  void head_norm_rope(std::span<const HeadNormRope> items) override;
   void attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
                  Tensor out) override;
   void swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) override;
@@ -47,6 +47,7 @@ class CpuOps final : public Ops {
   void set_decision_recorder(DecisionRecorder* recorder) { recorder_ = recorder; }
 
  private:
+  void head_norm_rope_one(Tensor x, int num_heads, Tensor weight, const RopeParams& p);
   struct LayerCache {
     std::vector<float> k, v;     // [max_seqs][max_len][num_kv_heads][head_dim]
     std::vector<float> index_k;  // [max_seqs][max_len][index_head_dim], sparse layers only

@@ -290,11 +290,21 @@ void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
                int(x.dim(1)), stream_);
 }
 
-void CudaOps::head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) {
+void CudaOps::head_norm_rope(std::span<const HeadNormRope> items) {
   const auto timer = timed("head_norm_rope");
-  launch_head_norm_rope(
-      {bf16_mut(x), weight.as<float>(), positions_, int(x.dim(0)), num_heads, p.head_dim, p.rotary_dim, p.theta, p.eps},
-      stream_);
+  TPMOE_CHECK(items.size() <= size_t(kMaxHeadNormRopeItems), "CUDA head_norm_rope: {} tensors in one call, at most {}",
+              items.size(), kMaxHeadNormRopeItems);
+  HeadNormRopeParams params[kMaxHeadNormRopeItems];
+  for (size_t i = 0; i < items.size(); ++i) {
+    const HeadNormRope& it = items[i];
+    const RopeParams& p = it.rope;
+    params[i] = {bf16_mut(it.x), it.weight.as<float>(),
+                 positions_,     int(it.x.dim(0)),
+                 it.num_heads,   p.head_dim,
+                 p.rotary_dim,   p.theta,
+                 p.eps};
+  }
+  launch_head_norm_rope_batch(params, int(items.size()), stream_);
 }
 
 void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
@@ -333,14 +343,20 @@ void CudaOps::swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) {
 void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) {
   const auto timer = timed("route");
   expect(router_logits, DType::kF32, "router logits");
-  launch_route({router_logits.as<float>(), bias.as<float>(), slot_ids.as<int32_t>(), slot_weights.as<float>(),
-                int(router_logits.dim(0)), p.num_experts, p.top_k, p.num_shared_slots, p.shared_weight},
-               stream_);
-  if (routed_)
-    launch_mark_routed(
-        {slot_ids.as<int32_t>(), num_real_tokens_, int(router_logits.dim(0)), p.top_k + p.num_shared_slots, p.top_k,
-         p.num_experts, routed_ + size_t(p.layer) * size_t(routed_experts_)},
-        stream_);
+  RouteKernelParams r{router_logits.as<float>(),
+                      bias.as<float>(),
+                      slot_ids.as<int32_t>(),
+                      slot_weights.as<float>(),
+                      int(router_logits.dim(0)),
+                      p.num_experts,
+                      p.top_k,
+                      p.num_shared_slots,
+                      p.shared_weight};
+  if (routed_) {  // routing statistics ride in the router kernel: no launch of their own
+    r.routed_flags = routed_ + size_t(p.layer) * size_t(routed_experts_);
+    r.num_real_tokens = num_real_tokens_;
+  }
+  launch_route(r, stream_);
 }
 
 void CudaOps::enable_routing_stats(int num_layers, int num_experts) {

@@ -66,7 +66,7 @@ class CudaOps final : public Ops {
   void add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) override;
   void add(Tensor x, Tensor y) override;
   void linear(Tensor x, Tensor weight, Tensor out) override;
-  void head_norm_rope(Tensor x, int num_heads, Tensor weight, const RopeParams& p) override;
+  void head_norm_rope(std::span<const HeadNormRope> items) override;
   void attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
                  Tensor out) override;
   void swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) override;

@@ -155,6 +155,9 @@ __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const RouteKern
   if (lane < p.top_k) {
     ids[lane] = my_id;
     w[lane] = my_score / sum;
+    // Routing statistics: mark the experts the step's real tokens chose (the count is read on the
+    // device, so a recorded step counts each replay's own).
+    if (p.routed_flags && t < *p.num_real_tokens) p.routed_flags[my_id] = 1;
   }
   for (int i = lane; i < p.num_shared; i += 32) {
     ids[p.top_k + i] = E + i;
@@ -808,26 +811,7 @@ bool scale_words_ok(const uint8_t* scale, int K) {
   return (K / 32) % 4 == 0 && (reinterpret_cast<uintptr_t>(scale) & 3u) == 0;
 }
 
-// One thread per (token, slot) of the recorded maximum; tokens past the step's real count skip.
-__global__ void mark_routed_kernel(const MarkRoutedParams p) {
-  const int pairs = *p.num_tokens * p.slots;
-  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < pairs; i += gridDim.x * blockDim.x) {
-    if (i % p.slots >= p.top_k) continue;  // shared slots are always read; the floor counts them apart
-    const int32_t e = p.slot_ids[i];
-    if (e >= 0 && e < p.num_experts) p.flags[e] = 1;
-  }
-}
-
 }  // namespace
-
-void launch_mark_routed(const MarkRoutedParams& p, cudaStream_t stream) {
-  if (p.max_tokens <= 0) return;
-  check_arg(p.slot_ids && p.num_tokens && p.flags, "mark_routed: slot_ids, num_tokens and flags must be set");
-  check_arg(p.top_k <= p.slots && p.num_experts >= 1, "mark_routed: need top_k <= slots and num_experts >= 1");
-  const int pairs = p.max_tokens * p.slots;
-  mark_routed_kernel<<<std::min(1024, (pairs + 255) / 256), 256, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
-}
 
 void launch_route(const RouteKernelParams& p, cudaStream_t stream) {
   check_arg(p.num_tokens >= 0, "launch_route: num_tokens < 0");
@@ -836,6 +820,7 @@ void launch_route(const RouteKernelParams& p, cudaStream_t stream) {
   check_arg(p.top_k >= 1 && p.top_k <= 32 && p.top_k <= p.num_experts,
             "launch_route: top_k must be in [1, min(32, num_experts)]");
   check_arg(p.num_shared >= 0, "launch_route: num_shared < 0");
+  check_arg(!p.routed_flags || p.num_real_tokens, "launch_route: routed_flags need num_real_tokens");
   if (p.num_tokens == 0) return;
   const int blocks = (p.num_tokens + kRouteWarps - 1) / kRouteWarps;
   route_kernel<<<blocks, kRouteWarps * 32, 0, stream>>>(p);

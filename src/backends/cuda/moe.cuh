@@ -26,20 +26,13 @@ struct RouteKernelParams {
   int top_k = 0;
   int num_shared = 0;       // shared slots appended with ids E..E+n-1
   float shared_weight = 0;  // 1 / routed_scaling_factor
+  // Routing statistics (optional): routed_flags[e] = 1 for every expert e a token t < *num_real_tokens
+  // (a device scalar: recorded steps read each replay's count) chose among its top_k.
+  uint8_t* routed_flags = nullptr;  // [num_experts]
+  const int32_t* num_real_tokens = nullptr;
 };
 // Ties in score + bias go to the lower expert id (as the CPU oracle).
 void launch_route(const RouteKernelParams& p, cudaStream_t stream);
-
-// Routing statistics: flags[e] = 1 for every routed expert e (slot < top_k) chosen by the first
-// *num_tokens tokens. The count is read on the device, so a recorded step counts each replay's.
-struct MarkRoutedParams {
-  const int32_t* slot_ids = nullptr;    // [max_tokens, slots]
-  const int32_t* num_tokens = nullptr;  // device scalar, <= max_tokens
-  int max_tokens = 0;
-  int slots = 0, top_k = 0, num_experts = 0;
-  uint8_t* flags = nullptr;  // [num_experts]
-};
-void launch_mark_routed(const MarkRoutedParams& p, cudaStream_t stream);
 
 // Knobs of launch_moe, for benchmarks and tests (the defaults are the measured best).
 // Every setting is deterministic and matches the CPU oracle; pdl and the prefetch do not change a

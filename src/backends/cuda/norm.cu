@@ -93,14 +93,25 @@ __global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNorm
   }
 }
 
-__global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kernel(HeadNormRopeParams p) {
+// The tensors of one launch; block b works on items[i] for block_begin[i] <= b < block_begin[i + 1].
+struct HeadNormRopeBatch {
+  HeadNormRopeParams items[kMaxHeadNormRopeItems];
+  int64_t block_begin[kMaxHeadNormRopeItems + 1] = {};
+  int count = 0;
+};
+
+__global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kernel(HeadNormRopeBatch batch) {
+  int item = 0;
+  while (item + 1 < batch.count && int64_t(blockIdx.x) >= batch.block_begin[item + 1]) ++item;
+  const HeadNormRopeParams& p = batch.items[item];
   const int hd = p.head_dim, rd = p.rotary_dim, half = rd / 2;
   // inv_freq once per block (8 heads share it), in double as the CPU oracle computes it.
   __shared__ float inv_freq[kMaxHeadDim / 2];
   for (int i = threadIdx.x; i < half; i += blockDim.x) inv_freq[i] = float(pow(double(p.theta), -2.0 * i / rd));
   __syncthreads();
 
-  const int64_t head = int64_t(blockIdx.x) * kRopeWarpsPerBlock + threadIdx.x / kWarp;  // token * heads + h
+  // token * heads + h
+  const int64_t head = (int64_t(blockIdx.x) - batch.block_begin[item]) * kRopeWarpsPerBlock + threadIdx.x / kWarp;
   if (head >= int64_t(p.num_tokens) * p.num_heads) return;  // the whole warp leaves together
   const int lane = threadIdx.x % kWarp;
   __nv_bfloat16* v = p.x + head * hd;  // [T, heads, hd] contiguous: head (t, h) starts at (t*heads + h)*hd
@@ -167,15 +178,29 @@ void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream) {
 }
 
 void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream) {
-  if (p.num_tokens <= 0 || p.num_heads <= 0) return;
-  check_arg(p.head_dim > 0 && p.head_dim <= kMaxHeadDim, "head_norm_rope: head_dim must be in [1, 256]");
-  check_arg(p.rotary_dim >= 0 && p.rotary_dim <= p.head_dim && p.rotary_dim % 2 == 0,
-            "head_norm_rope: rotary_dim must be even and <= head_dim");
-  check_arg(p.x && p.weight && p.positions, "head_norm_rope: x, weight and positions must be set");
-  const int64_t warps = int64_t(p.num_tokens) * p.num_heads;
-  const int64_t blocks = (warps + kRopeWarpsPerBlock - 1) / kRopeWarpsPerBlock;
+  launch_head_norm_rope_batch(&p, 1, stream);
+}
+
+void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cudaStream_t stream) {
+  check_arg(count >= 0 && count <= kMaxHeadNormRopeItems, "head_norm_rope: at most 4 tensors in one launch");
+  HeadNormRopeBatch batch;
+  for (int i = 0; i < count; ++i) {
+    const HeadNormRopeParams& p = items[i];
+    if (p.num_tokens <= 0 || p.num_heads <= 0) continue;
+    check_arg(p.head_dim > 0 && p.head_dim <= kMaxHeadDim, "head_norm_rope: head_dim must be in [1, 256]");
+    check_arg(p.rotary_dim >= 0 && p.rotary_dim <= p.head_dim && p.rotary_dim % 2 == 0,
+              "head_norm_rope: rotary_dim must be even and <= head_dim");
+    check_arg(p.x && p.weight && p.positions, "head_norm_rope: x, weight and positions must be set");
+    const int64_t warps = int64_t(p.num_tokens) * p.num_heads;
+    batch.items[batch.count] = p;
+    batch.block_begin[batch.count + 1] =
+        batch.block_begin[batch.count] + (warps + kRopeWarpsPerBlock - 1) / kRopeWarpsPerBlock;
+    ++batch.count;
+  }
+  if (batch.count == 0) return;
+  const int64_t blocks = batch.block_begin[batch.count];
   check_arg(blocks <= 0x7fffffff, "head_norm_rope: too many (token, head) pairs for one launch");
-  head_norm_rope_kernel<<<unsigned(blocks), kRopeWarpsPerBlock * kWarp, 0, stream>>>(p);
+  head_norm_rope_kernel<<<unsigned(blocks), kRopeWarpsPerBlock * kWarp, 0, stream>>>(batch);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -38,5 +38,9 @@ struct HeadNormRopeParams {
   float eps = 1e-6f;
 };
 void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream);
+// Up to kMaxHeadNormRopeItems tensors (a layer's q, k, index q and index k) in one launch: the same
+// per-head arithmetic as one launch each, so the results are bitwise those.
+constexpr int kMaxHeadNormRopeItems = 4;
+void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cudaStream_t stream);
 
 }  // namespace tpmoe::cuda
