@@ -173,7 +173,9 @@ class Sequences {
     generated_[b].push_back(token);
     penalties_[b].add_generated(token);
     const FinishReason f = check_token_stop(params_, token, req_.eos_token_ids, int(generated_[b].size()));
-    if (primary_ && req_.detokenize) emit(b, stops_[b].feed(req_.detokenize(b, token)));
+    // The text of an EOS or stop token is not part of the reply (as vLLM returns it); its id is.
+    const bool silent = f == FinishReason::kEos || f == FinishReason::kStopToken;
+    if (primary_ && req_.detokenize && !silent) emit(b, stops_[b].feed(req_.detokenize(b, token)));
     if (f != FinishReason::kNone && (req_.forced_tokens.empty() || f == FinishReason::kLength)) finish(b, f);
   }
 
