@@ -9,8 +9,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
@@ -31,10 +31,10 @@ inline bool gpu_required() {
 }
 
 // First statement of every GPU test.
-#define TPMOE_REQUIRE_GPU()                                                                              \
-  if (!::tpmoe::test::gpu_present()) {                                                                   \
+#define TPMOE_REQUIRE_GPU()                                                                            \
+  if (!::tpmoe::test::gpu_present()) {                                                                 \
     if (::tpmoe::test::gpu_required()) GTEST_FAIL() << "no CUDA GPU present, and TPMOE_REQUIRE_GPU=1"; \
-    GTEST_SKIP() << "no CUDA GPU present";                                                               \
+    GTEST_SKIP() << "no CUDA GPU present";                                                             \
   }
 
 // A device allocation filled with a NaN pattern (0xFF bytes) until written: an element a kernel

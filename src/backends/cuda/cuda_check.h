@@ -1,5 +1,5 @@
-// Error checks for the CUDA runtime, cuBLASLt and NCCL: one family of macros, one exception type. Kernel files include this header only: it pulls
-// in no fmt, so nvcc compiles the kernels without the host formatting library. The throwing
+// Error checks for the CUDA runtime, cuBLASLt and NCCL: one family of macros, one exception type. Kernel files include
+// this header only: it pulls in no fmt, so nvcc compiles the kernels without the host formatting library. The throwing
 // functions live in cuda_check.cpp and raise tpmoe::Error like every other check.
 #pragma once
 
