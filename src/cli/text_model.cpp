@@ -18,7 +18,7 @@ std::string TextModel::render_chat(const text::ChatRequest& request) const {
 
 TextModel load_text_model(const std::string& model_dir, int vocab_size, const std::vector<int32_t>& config_eos) {
   if (model_dir.empty()) {
-    TextModel m{text::Tokenizer::from_json(text::make_preset_tokenizer_json(vocab_size), "the preset tokenizer")};
+    TextModel m(text::Tokenizer::from_json(text::make_preset_tokenizer_json(vocab_size), "the preset tokenizer"));
     m.chat_template = text::ChatTemplate::parse(text::preset_chat_template());
     m.special_tokens = text::preset_special_tokens();
     m.eos_ids = preset_eos_ids(vocab_size);
@@ -28,7 +28,7 @@ TextModel load_text_model(const std::string& model_dir, int vocab_size, const st
               "{}: no tokenizer.json, so the model cannot take text (give --prompt-ids, or add the model's "
               "tokenizer.json)",
               model_dir);
-  TextModel m{text::Tokenizer::from_file(model_dir)};
+  TextModel m(text::Tokenizer::from_file(model_dir));
   try {
     const text::ChatTemplateFiles files = text::load_chat_template(model_dir);
     m.chat_template = text::ChatTemplate::parse(files.source);

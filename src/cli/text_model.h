@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "text/chat_template.h"
@@ -16,6 +17,8 @@
 namespace tpmoe::cli {
 
 struct TextModel {
+  explicit TextModel(text::Tokenizer t) : tokenizer(std::move(t)) {}
+
   text::Tokenizer tokenizer;
   std::optional<text::ChatTemplate> chat_template;  // absent: the folder has none (chat is an error)
   std::string chat_template_error;                  // why it is absent
