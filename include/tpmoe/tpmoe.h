@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "tpmoe/sampling.h"
+#include "tpmoe/serving.h"
 
 namespace tpmoe {
 
@@ -99,6 +100,11 @@ class Engine {
   virtual ~Engine() = default;
 
   virtual GenerateResult generate(const GenerateRequest& request) = 0;
+  // Serves requests (tpmoe/serving.h) until `front` returns. `front` runs on its own thread in the
+  // primary process (an HTTP server, a test) and submits through the Scheduler; the ranks step the
+  // running batch meanwhile. Under mpirun the other processes follow rank 0's steps and return when
+  // it stops.
+  virtual void serve(const ServeOptions& options, const std::function<void(Scheduler& scheduler)>& front) = 0;
   // Config summary and the fusion plan, as `tpmoe inspect` prints them.
   virtual std::string describe() const = 0;
   // Checkpoint tensors the model did not read (vision and mtp. tensors excluded): reported, not fatal.

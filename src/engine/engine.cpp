@@ -163,6 +163,9 @@ class SpmdEngine final : public Engine {
     b.max_len = longest + req.max_new_tokens;
     return b;
   }
+  void serve(const ServeOptions&, const std::function<void(Scheduler&)>&) override {
+    TPMOE_FAIL("serve: not implemented yet");
+  }
   DType group_weight_dtype() const { return group_->local_ranks().front()->weights().embed.dtype; }
 
   EngineOptions options_;
