@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "cli/text_model.h"
+#include "cli/text_stream.h"
 #include "core/error.h"
 #include "engine/bench.h"
 #include "engine/launch.h"
@@ -18,6 +18,7 @@
 #include "io/checkpoint.h"
 #include "model/presets.h"
 #include "model/weights.h"
+#include "text/text_model.h"
 #include "text/tokenizer.h"
 #include "tpmoe/tpmoe.h"
 
@@ -173,9 +174,9 @@ void run_generate(const GenerateFlags& f) {
   const bool text_mode = !f.prompt.empty() || f.chat;
   auto engine = f.model.load(f.model.options());
   warn_unknown(*engine);
-  std::optional<cli::TextModel> text_model;
+  std::optional<text::TextModel> text_model;
   if (text_mode) {
-    text_model = cli::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
+    text_model = text::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
     const std::string prompt = f.chat ? text_model->render_chat(read_chat_request()) : f.prompt;
     const auto ids = text_model->tokenizer.encode(prompt);
     TPMOE_CHECK(!ids.empty(), "the prompt encodes to no tokens");
@@ -276,7 +277,7 @@ void run_chat(const ChatFlags& f) {
   TPMOE_CHECK(!launched_by_mpi(), "chat reads the terminal in one process: start it without mpirun (--tp N works)");
   auto engine = f.model.load(f.model.options());
   warn_unknown(*engine);
-  const cli::TextModel tm = cli::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
+  const text::TextModel tm = text::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   if (!f.system.empty()) messages.push_back({{"role", "system"}, {"content", f.system}});
   fmt::print("chat with {} (an empty line or /exit ends it)\n",
@@ -320,9 +321,9 @@ void run_make_model(const MakeModelFlags& f) {
   const auto layout = f.layout == "hub" ? io::CheckpointLayout::kHub : io::CheckpointLayout::kTransformers;
   const DType dtype = f.dtype == "f32" ? DType::kF32 : f.dtype == "mxfp8" ? DType::kF8E4M3 : DType::kBF16;
   if (dtype == DType::kF8E4M3) set_mxfp8(config);  // quantized linears + quantization_config
-  config.eos_token_ids = cli::preset_eos_ids(config.vocab_size);
+  config.eos_token_ids = text::preset_eos_ids(config.vocab_size);
   io::write_checkpoint(f.out, config, random_weights(config, f.seed, dtype), layout, f.shards);
-  cli::write_preset_text_files(f.out, config.vocab_size);  // tokenizer.json, chat_template.jinja
+  text::write_preset_text_files(f.out, config.vocab_size);  // tokenizer.json, chat_template.jinja
   fmt::print("wrote {} ({}, {} layers, {} shard(s), with a tokenizer and chat template)\n", f.out,
              io::layout_name(layout), config.num_layers, f.shards);
 }

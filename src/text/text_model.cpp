@@ -1,26 +1,25 @@
-#include "cli/text_model.h"
+#include "text/text_model.h"
 
 #include <filesystem>
 #include <fstream>
-#include <memory>
 
 #include "core/error.h"
 #include "text/preset_text.h"
 
-namespace tpmoe::cli {
+namespace tpmoe::text {
 
 namespace fs = std::filesystem;
 
-std::string TextModel::render_chat(const text::ChatRequest& request) const {
+std::string TextModel::render_chat(const ChatRequest& request) const {
   TPMOE_CHECK(chat_template.has_value(), "chat: {}", chat_template_error);
-  return chat_template->render(text::make_chat_context(request, special_tokens));
+  return chat_template->render(make_chat_context(request, special_tokens));
 }
 
 TextModel load_text_model(const std::string& model_dir, int vocab_size, const std::vector<int32_t>& config_eos) {
   if (model_dir.empty()) {
-    TextModel m(text::Tokenizer::from_json(text::make_preset_tokenizer_json(vocab_size), "the preset tokenizer"));
-    m.chat_template = text::ChatTemplate::parse(text::preset_chat_template());
-    m.special_tokens = text::preset_special_tokens();
+    TextModel m(Tokenizer::from_json(make_preset_tokenizer_json(vocab_size), "the preset tokenizer"));
+    m.chat_template = ChatTemplate::parse(preset_chat_template());
+    m.special_tokens = preset_special_tokens();
     m.eos_ids = preset_eos_ids(vocab_size);
     return m;
   }
@@ -28,10 +27,10 @@ TextModel load_text_model(const std::string& model_dir, int vocab_size, const st
               "{}: no tokenizer.json, so the model cannot take text (give --prompt-ids, or add the model's "
               "tokenizer.json)",
               model_dir);
-  TextModel m(text::Tokenizer::from_file(model_dir));
+  TextModel m(Tokenizer::from_file(model_dir));
   try {
-    const text::ChatTemplateFiles files = text::load_chat_template(model_dir);
-    m.chat_template = text::ChatTemplate::parse(files.source);
+    const ChatTemplateFiles files = load_chat_template(model_dir);
+    m.chat_template = ChatTemplate::parse(files.source);
     m.special_tokens = files.special_tokens;
   } catch (const Error& e) {
     m.chat_template_error = e.what();
@@ -46,9 +45,9 @@ TextModel load_text_model(const std::string& model_dir, int vocab_size, const st
 }
 
 std::vector<int32_t> preset_eos_ids(int vocab_size) {
-  const auto tok = text::Tokenizer::from_json(text::make_preset_tokenizer_json(vocab_size), "the preset tokenizer");
+  const auto tok = Tokenizer::from_json(make_preset_tokenizer_json(vocab_size), "the preset tokenizer");
   std::vector<int32_t> ids;
-  for (const char* name : text::kPresetEosTokens) ids.push_back(tok.token_to_id(name).value());
+  for (const char* name : kPresetEosTokens) ids.push_back(tok.token_to_id(name).value());
   return ids;
 }
 
@@ -58,19 +57,11 @@ void write_preset_text_files(const std::string& dir, int vocab_size) {
     out << text;
     TPMOE_CHECK(out.good(), "{}: cannot write {}", dir, name);
   };
-  write("tokenizer.json", text::make_preset_tokenizer_json(vocab_size));
-  write("chat_template.jinja", text::preset_chat_template());
-  nlohmann::ordered_json config = text::preset_special_tokens();
+  write("tokenizer.json", make_preset_tokenizer_json(vocab_size));
+  write("chat_template.jinja", preset_chat_template());
+  nlohmann::ordered_json config = preset_special_tokens();
   config["tokenizer_class"] = "PreTrainedTokenizerFast";
   write("tokenizer_config.json", config.dump(2) + "\n");
 }
 
-void attach_text_stream(GenerateRequest& req, const text::Tokenizer& tokenizer,
-                        std::function<void(int, const std::string&)> sink) {
-  auto decoders = std::make_shared<std::vector<text::StreamDecoder>>();
-  for (size_t b = 0; b < req.prompts.size(); ++b) decoders->emplace_back(tokenizer);
-  req.detokenize = [decoders](int b, int32_t id) { return (*decoders)[size_t(b)].push(id); };
-  req.on_text = std::move(sink);
-}
-
-}  // namespace tpmoe::cli
+}  // namespace tpmoe::text
