@@ -24,8 +24,8 @@ TextModel load_text_model(const std::string& model_dir, int vocab_size, const st
     return m;
   }
   TPMOE_CHECK(fs::exists(fs::path(model_dir) / "tokenizer.json"),
-              "{}: no tokenizer.json, so the model cannot take text (give --prompt-ids, or add the model's "
-              "tokenizer.json)",
+              "{}: no tokenizer.json, so the model cannot take or give text (add the model's tokenizer.json; "
+              "generate also takes token ids: --prompt-ids)",
               model_dir);
   TextModel m(Tokenizer::from_file(model_dir));
   try {
