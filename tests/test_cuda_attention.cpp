@@ -3,7 +3,9 @@
 // one step) and decode (1, 3, 19 tokens, each in its own slot at its own position, over a cache
 // prefilled through both backends), GQA ratios 1, 2, 8, 16, 20, head_dim 32/64/128/256, index block
 // sizes 8 and 64, topk 2 and 16, local 1 and 2. Every step also checks the cache rows exactly and,
-// on sparse layers, the kept-block sets against cpu::select_blocks.
+// on sparse layers, the kept-block sets against cpu::select_blocks. The cache is paged (16
+// positions a page) with a shuffled page table, so a kernel that ignored the table (or read a
+// slot's positions as contiguous) would read other sequences' keys.
 //
 // Block selection is discrete: a near-tie in block scores could keep a different block on the GPU
 // (fp32 sums in another order) than in the oracle, and a different kept set changes the output by
@@ -16,6 +18,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <numeric>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -51,30 +55,49 @@ std::vector<float> exact_index_values(size_t n, uint64_t seed) {
   return v;
 }
 
+constexpr int kPageShift = 4;  // 16 positions a page
+
+CacheShape paged_shape(const AttnCase& c, int max_seqs) {
+  CacheShape shape;
+  shape.num_layers = 1;
+  shape.sparse_layer = {c.sparse};
+  shape.num_kv_heads = c.nkv;
+  shape.head_dim = c.hd;
+  shape.index_head_dim = c.sparse ? c.ihd : 0;
+  shape.max_seqs = max_seqs;
+  shape.max_len = c.max_len;
+  shape.page_size = 1 << kPageShift;
+  shape.num_pages = max_seqs * shape.pages_per_seq();
+  return shape;
+}
+
+// Every page of the pool handed to some (slot, page) in shuffled order.
+std::vector<int32_t> shuffled_page_table(const CacheShape& shape, uint64_t seed) {
+  std::vector<int32_t> table(size_t(shape.num_pages));
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), std::mt19937_64(seed));
+  return table;
+}
+
 // Both backends with one cache layer each; step() runs one step through both and checks it.
 class Harness {
  public:
   Harness(const AttnCase& c, int max_seqs)
       : c_(c),
         max_seqs_(max_seqs),
-        kv_elems_(size_t(max_seqs) * c.max_len * c.nkv * c.hd),
-        ik_elems_(c.sparse ? size_t(max_seqs) * c.max_len * c.ihd : 0),
+        shape_(paged_shape(c, max_seqs)),
+        page_table_(shuffled_page_table(shape_, 77)),
+        kv_elems_(size_t(shape_.num_pages) * shape_.page_size * c.nkv * c.hd),
+        ik_elems_(c.sparse ? size_t(shape_.num_pages) * shape_.page_size * c.ihd : 0),
         k_cache_(kv_elems_),
         v_cache_(kv_elems_),
         ik_cache_(std::max<size_t>(ik_elems_, 1)),
+        page_table_device_(page_table_),
         k_mirror_(kv_elems_, 0.f),
         v_mirror_(kv_elems_, 0.f),
         ik_mirror_(ik_elems_, 0.f),
-        written_(size_t(max_seqs) * c.max_len, 0) {
-    CacheShape shape;
-    shape.num_layers = 1;
-    shape.sparse_layer = {c.sparse};
-    shape.num_kv_heads = c.nkv;
-    shape.head_dim = c.hd;
-    shape.index_head_dim = c.sparse ? c.ihd : 0;
-    shape.max_seqs = max_seqs;
-    shape.max_len = c.max_len;
-    cpu_.init_cache(shape);
+        written_(size_t(shape_.num_pages) * shape_.page_size, 0) {
+    cpu_.init_cache(shape_);
   }
 
   void step(const std::vector<int32_t>& slots, const std::vector<int32_t>& positions, uint64_t seed,
@@ -87,6 +110,7 @@ class Harness {
     st.token_ids.assign(size_t(T), 0);
     st.positions = positions;
     st.seq_slots = slots;
+    st.page_table = page_table_;
 
     // The oracle gets exactly the bf16 values the GPU gets.
     std::vector<float> q = round_bf16(random_floats(size_t(T) * nq * hd, 1.f, seed));
@@ -141,8 +165,11 @@ class Harness {
     p.cache.k = k_cache_.get();
     p.cache.v = v_cache_.get();
     p.cache.index_k = c_.sparse ? ik_cache_.get() : nullptr;
+    p.cache.page_table = page_table_device_.get();
     p.cache.max_seqs = max_seqs_;
     p.cache.max_len = L;
+    p.cache.page_shift = kPageShift;
+    p.cache.pages_per_seq = shape_.pages_per_seq();
     p.cache.num_kv_heads = nkv;
     p.cache.head_dim = hd;
     p.cache.index_head_dim = c_.sparse ? ihd : 0;
@@ -174,7 +201,7 @@ class Harness {
 
     // Cache: the step's rows, and every row written by earlier steps, hold exactly the bf16 inputs.
     for (int t = 0; t < T; ++t) {
-      const size_t row = size_t(slots[t]) * L + size_t(positions[t]);
+      const size_t row = size_t(shape_.row(page_table_, slots[t], positions[t]));
       written_[row] = 1;
       std::copy_n(k.begin() + size_t(t) * nkv * hd, nkv * hd, k_mirror_.begin() + row * nkv * hd);
       std::copy_n(v.begin() + size_t(t) * nkv * hd, nkv * hd, v_mirror_.begin() + row * nkv * hd);
@@ -204,7 +231,7 @@ class Harness {
         for (int g = 0; g < nih; ++g) {
           const float* iqv = iq.data() + (size_t(t) * nih + g) * ihd;
           for (int s = 0; s <= pos; ++s) {
-            const float* ikv = ik_mirror_.data() + (size_t(slots[t]) * L + s) * ihd;
+            const float* ikv = ik_mirror_.data() + size_t(shape_.row(page_table_, slots[t], s)) * ihd;
             float acc = 0.f;
             for (int d = 0; d < ihd; ++d) acc += iqv[d] * ikv[d];
             scores[s] = acc;
@@ -228,8 +255,11 @@ class Harness {
  private:
   AttnCase c_;
   int max_seqs_;
+  CacheShape shape_;
+  std::vector<int32_t> page_table_;
   size_t kv_elems_, ik_elems_;
   DeviceBuffer<bf16> k_cache_, v_cache_, ik_cache_;  // NaN-poisoned: a read of an unwritten row shows
+  DeviceBuffer<int32_t> page_table_device_;
   std::vector<float> k_mirror_, v_mirror_, ik_mirror_;
   std::vector<char> written_;
   cpu::CpuOps cpu_;
@@ -313,8 +343,12 @@ TEST(CudaAttentionErrors, UnsupportedHeadDimThrows) {
   p.out = out.get();
   p.cache.k = kc.get();
   p.cache.v = vc.get();
+  DeviceBuffer<int32_t> table(std::vector<int32_t>{0});
+  p.cache.page_table = table.get();
   p.cache.max_seqs = 1;
   p.cache.max_len = L;
+  p.cache.page_shift = 4;  // one page of 16 = L
+  p.cache.pages_per_seq = 1;
   p.cache.num_kv_heads = nkv;
   p.cache.head_dim = hd;
   p.positions = pos.get();

@@ -81,6 +81,7 @@ TEST(CudaElementwise, EmbedMatchesCpu) {
         CacheShape shape;
         shape.max_seqs = 1;
         shape.max_len = 1;
+        shape.num_pages = 1;
         ops.init_cache(shape);
         ops.begin_step(step);
         std::vector<float> ref(size_t(tokens) * hidden);

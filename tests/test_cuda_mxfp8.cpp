@@ -110,7 +110,10 @@ TEST(CudaMxfp8Linear, MatchesOracleAtAwkwardShapes) {
     int M, N, K;
   };
   for (const Shape s : {Shape{1, 40, 32}, Shape{3, 96, 160}, Shape{19, 1, 96}, Shape{64, 200, 256}, Shape{100, 72, 416},
-                        Shape{300, 130, 128}, Shape{2, 1024, 6144}, Shape{8, 6144, 1024}}) {
+                        Shape{300, 130, 128}, Shape{2, 1024, 6144}, Shape{8, 6144, 1024},
+                        // decode-sized M runs the GEMV: K not a multiple of its 512-wide pass, and
+                        // activations past 48 KiB of shared memory (up to the 200 KiB it takes)
+                        Shape{5, 33, 8192}, Shape{8, 17, 12800}, Shape{7, 300, 544}}) {
     const std::vector<float> x = round_bf16(random_floats(size_t(s.M) * s.K, 1.f, 7 + s.M + s.K));
     const Mx w = random_mx({s.N, s.K}, 0.02f, 11 + s.N);
     const std::vector<float> want = linear_cpu(x, w.value, s.M, s.N, s.K);

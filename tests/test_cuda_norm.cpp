@@ -171,6 +171,7 @@ void check_head_norm_rope(const RopeCase& c, uint64_t seed) {
   shape.num_layers = 0;  // head_norm_rope touches no cache; only the step's positions are needed
   shape.max_seqs = 1;
   shape.max_len = kMaxPos;
+  shape.num_pages = shape.pages_per_seq();
   ops.init_cache(shape);
   StepTokens step;
   step.token_ids.assign(size_t(c.tokens), 0);

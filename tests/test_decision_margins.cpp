@@ -75,6 +75,7 @@ TEST(DecisionMargins, CpuOpsRecordsWhatTheOpsDecide) {
   cache.index_head_dim = 2;
   cache.max_seqs = 1;
   cache.max_len = 8;
+  cache.num_pages = 1;
   ops.init_cache(cache);
   StepTokens step;
   for (int t = 0; t < 6; ++t) {

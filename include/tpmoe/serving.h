@@ -61,6 +61,7 @@ struct ServeStats {
   uint64_t steps = 0;
   uint64_t prompt_tokens = 0, generated_tokens = 0;  // totals since start
   uint64_t finished = 0, aborted = 0;                // requests
+  uint64_t preemptions = 0;                          // running requests sent back to the queue for want of pages
 };
 
 class Scheduler {
@@ -77,6 +78,9 @@ class Scheduler {
   virtual ServeStats stats() const = 0;
   virtual const ServeOptions& options() const = 0;
   virtual int vocab_size() const = 0;
+  // `handler` runs once (on another thread) if serving must end early, e.g. a rank failed: the
+  // front should then return (an HTTP server stops listening). Later submits throw.
+  virtual void set_stop_handler(std::function<void()> handler) = 0;
 };
 
 }  // namespace tpmoe

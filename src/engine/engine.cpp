@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <exception>
+#include <thread>
 
 #include "backends/backend.h"
 #include "backends/cpu/cpu_backend.h"
@@ -17,6 +18,8 @@
 #include "engine/rank_runner.h"
 #include "engine/report.h"
 #include "engine/sampling.h"
+#include "engine/scheduler.h"
+#include "engine/serve_loop.h"
 #include "io/checkpoint.h"
 #include "model/model.h"
 #include "model/presets.h"
@@ -146,7 +149,6 @@ class SpmdEngine final : public Engine {
     return result;
   }
 
- private:
   // Engine policy: a request's prefill runs as one step and its decode in batches padded to a
   // bucket (so a few recorded graphs serve every batch).
   static StepBudget step_budget(const GenerateRequest& req) {
@@ -163,9 +165,83 @@ class SpmdEngine final : public Engine {
     b.max_len = longest + req.max_new_tokens;
     return b;
   }
-  void serve(const ServeOptions&, const std::function<void(Scheduler&)>&) override {
-    TPMOE_FAIL("serve: not implemented yet");
+  void serve(const ServeOptions& options, const std::function<void(Scheduler&)>& front) override {
+    const ServeLayout layout = BatchScheduler::layout_for(options);
+    StepBudget budget;
+    budget.max_tokens = std::max(options.max_step_tokens, decode_bucket(options.max_batch));
+    budget.max_logit_rows = decode_bucket(options.max_batch);
+    budget.max_seqs = layout.max_seqs;
+    budget.max_len = options.max_context;
+    std::vector<RankBackend*> ranks = group_->local_ranks();
+    // The scheduler and the front live in the process that holds rank 0; the other ranks follow
+    // its plans (threads through the channel, processes through broadcasts).
+    std::unique_ptr<BatchScheduler> scheduler;
+    if (is_primary()) scheduler = std::make_unique<BatchScheduler>(options, config_.vocab_size);
+    PlanChannel channel(ranks.size());
+    std::thread front_thread;
+    try {
+      runner_->run(
+          ranks.size(),
+          [&](size_t i) {
+            RankBackend& r = *ranks[i];
+            r.activate();
+            std::unique_ptr<Ops> ops = r.make_ops(budget);
+            Model model(config_, plan_, RankShard::make(config_, layout_, r.rank()), r.weights(), *ops, r.comm());
+            ops->init_cache(
+                model.cache_shape(layout.max_seqs, options.max_context, options.page_size, layout.num_pages));
+            if (r.rank() != 0) {
+              for (;;) {
+                auto plan =
+                    launch_.multi_process ? std::make_shared<const StepPlan>(receive_plan()) : channel.receive(i);
+                if (plan->shutdown) return;
+                run_plan(*ops, model, *plan);
+              }
+            }
+            scheduler->set_records_steps(ops->records_steps());
+            front_thread = std::thread([&] {
+              front(*scheduler);
+              scheduler->shutdown();
+            });
+            for (;;) {
+              auto plan = std::make_shared<const StepPlan>(scheduler->next_plan());
+              if (launch_.multi_process)
+                broadcast_plan(*plan);
+              else
+                channel.publish(plan);
+              if (plan->shutdown) return;
+              scheduler->complete(run_plan(*ops, model, *plan));
+            }
+          },
+          [&] {
+            channel.close();
+            if (scheduler) scheduler->shutdown("a rank failed");
+            return group_->wake_blocked_peers();
+          },
+          [&](size_t i) { return ranks[i]->rank(); });
+    } catch (const std::exception& e) {
+      if (scheduler) scheduler->shutdown(e.what());
+      if (front_thread.joinable()) front_thread.join();
+      throw;
+    }
+    if (front_thread.joinable()) front_thread.join();
   }
+
+ private:
+  // Rank 0's plan to the other processes (mpirun): its size, then its bytes.
+  void broadcast_plan(const StepPlan& plan) const {
+    std::vector<std::byte> bytes = plan.serialize();
+    uint64_t n = bytes.size();
+    launch_.broadcast_from_rank0(&n, sizeof n);
+    launch_.broadcast_from_rank0(bytes.data(), n);
+  }
+  StepPlan receive_plan() const {
+    uint64_t n = 0;
+    launch_.broadcast_from_rank0(&n, sizeof n);
+    std::vector<std::byte> bytes(n);
+    launch_.broadcast_from_rank0(bytes.data(), n);
+    return StepPlan::deserialize(bytes);
+  }
+
   DType group_weight_dtype() const { return group_->local_ranks().front()->weights().embed.dtype; }
 
   EngineOptions options_;

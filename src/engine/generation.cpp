@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "engine/next_tokens.h"
 #include "engine/sampling.h"
 
 namespace tpmoe {
@@ -15,53 +16,6 @@ int max_prompt_length(const GenerateRequest& req) {
   size_t n = 0;
   for (const auto& p : req.prompts) n = std::max(n, p.size());
   return int(n);
-}
-
-// Greedy ids of `logits`, this rank's vocabulary slice of each row. With a vocab-parallel lm_head:
-// each rank's best (value, index) per row, one all-gather of those, then the best over ranks - NaN
-// first, then the larger value, ties to the lower rank (the lower vocabulary index), as one argmax
-// over the whole row would choose. Collective: every rank calls it with the same shapes.
-std::vector<int32_t> greedy(Ops& ops, Model& model, Tensor logits) {
-  const int64_t R = logits.dim(0);
-  const RankShard& shard = model.shard();
-  Tensor ids = ops.alloc_typed(R, 1, DType::kI32);
-  if (!shard.vocab_parallel()) {
-    ops.argmax(logits, ids, Tensor());
-    return ops.ids_to_host(ids);
-  }
-  Tensor values = ops.alloc_typed(R, 1, DType::kF32);
-  ops.argmax(logits, ids, values);
-  const int tp = shard.tp;
-  Tensor all_ids = ops.alloc_typed(tp * R, 1, DType::kI32), all_values = ops.alloc_typed(tp * R, 1, DType::kF32);
-  model.comm().all_gather(ids, all_ids);
-  model.comm().all_gather(values, all_values);
-  const std::vector<int32_t> host_ids = ops.ids_to_host(all_ids);
-  const std::vector<float> host_values = ops.to_host(all_values);
-  std::vector<int32_t> out(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) {
-    int best = 0;
-    for (int q = 1; q < tp; ++q) {
-      const float v = host_values[size_t(q * R + r)], b = host_values[size_t(best * R + r)];
-      if (!std::isnan(b) && (std::isnan(v) || v > b)) best = q;
-    }
-    out[r] = best * shard.vocab_size + host_ids[size_t(best * R + r)];
-  }
-  return out;
-}
-
-// The whole vocabulary of each row of `logits` on the host, [R * V]: gathered from every rank when
-// lm_head is vocab-parallel (collective), this rank's rows otherwise.
-std::vector<float> full_logits_to_host(Ops& ops, Model& model, Tensor logits) {
-  const RankShard& shard = model.shard();
-  if (!shard.vocab_parallel()) return ops.to_host(logits);
-  const int64_t R = logits.dim(0), Vl = logits.dim(1), V = Vl * shard.tp;
-  Tensor gathered = ops.alloc_typed(shard.tp * R, Vl, DType::kF32);
-  model.comm().all_gather(logits, gathered);
-  const std::vector<float> host = ops.to_host(gathered);  // [rank][row][Vl]
-  std::vector<float> out(static_cast<size_t>(R * V));
-  for (int q = 0; q < shard.tp; ++q)
-    for (int64_t r = 0; r < R; ++r) std::copy_n(&host[size_t((q * R + r) * Vl)], Vl, &out[size_t(r * V + q * Vl)]);
-  return out;
 }
 
 }  // namespace
@@ -107,20 +61,6 @@ CacheShape request_cache_shape(const Model& model, const GenerateRequest& req, b
 
 namespace {
 
-// The device logits of every row over the whole vocabulary, [R, V]: this rank's rows as they are,
-// or (vocab-parallel lm_head) every rank's slice gathered and laid side by side. Collective.
-Tensor full_logits_on_device(Ops& ops, Model& model, Tensor logits) {
-  const RankShard& shard = model.shard();
-  if (!shard.vocab_parallel()) return logits;
-  const int64_t R = logits.dim(0), Vl = logits.dim(1);
-  Tensor gathered = ops.alloc_typed(shard.tp * R, Vl, DType::kF32),
-         full = ops.alloc_typed(R, Vl * shard.tp, DType::kF32);
-  model.comm().all_gather(logits, gathered);
-  for (int q = 0; q < shard.tp; ++q)
-    ops.copy_columns(Tensor::make(gathered.as<float>() + q * R * Vl, DType::kF32, R, Vl), full, q * Vl);
-  return full;
-}
-
 // What decides each sequence's next token and when it ends: its sampling state, its stop checks
 // and (primary rank, when the caller streams text) its text. Every rank keeps the same state from
 // the same ids, so every rank takes the same decisions; only stop strings need text, which only
@@ -131,8 +71,7 @@ class Sequences {
       : req_(req), params_(req.sampling), primary_(primary), seed_(seed) {
     params_.max_tokens = req.max_new_tokens;  // the request's length is the one bound
     const int B = int(req.prompts.size());
-    plain_greedy_ = params_.greedy() && params_.repetition_penalty == 1.f && params_.presence_penalty == 0.f &&
-                    params_.frequency_penalty == 0.f;
+    plain_greedy_ = tpmoe::plain_greedy(params_);
     for (int b = 0; b < B; ++b) {
       penalties_.emplace_back(params_, req.prompts[b]);
       stops_.emplace_back(params_.stop);
@@ -142,7 +81,6 @@ class Sequences {
     generated_.resize(size_t(B));
   }
 
-  bool plain_greedy() const { return plain_greedy_; }
   bool finished(int b) const { return finish_[b] != FinishReason::kNone; }
   bool all_finished() const {
     return std::all_of(finish_.begin(), finish_.end(), [](FinishReason f) { return f != FinishReason::kNone; });
@@ -152,7 +90,7 @@ class Sequences {
   // The next ids of the step's logit rows (`row_seq[r]`: the sequence of row r, or -1: a row whose
   // token nobody uses). Collective.
   std::vector<int32_t> next_ids(Ops& ops, Model& model, Tensor logits, const std::vector<int>& row_seq) {
-    if (plain_greedy_) return greedy(ops, model, logits);
+    if (plain_greedy_) return greedy_ids(ops, model, logits);
     SampleBatchBuilder builder;
     for (int b : row_seq) {
       if (b < 0 || finished(b))
@@ -160,10 +98,7 @@ class Sequences {
       else
         builder.add_row(params_, sequence_seed(seed_, uint32_t(b)), uint32_t(generated_[b].size()), penalties_[b]);
     }
-    Tensor full = full_logits_on_device(ops, model, logits);
-    Tensor ids = ops.alloc_typed(full.dim(0), 1, DType::kI32);
-    ops.sample(full, builder.batch(), ids);
-    return ops.ids_to_host(ids);
+    return sampled_ids(ops, model, logits, builder.batch());
   }
 
   // Appends sequence b's next token (forced, or drawn) and applies the stop checks that need no

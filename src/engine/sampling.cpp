@@ -48,6 +48,11 @@ uint64_t sequence_seed(uint64_t request_seed, uint32_t sequence_index) {
   return x ^ (x >> 31);
 }
 
+bool plain_greedy(const SamplingParams& params) {
+  return params.greedy() && params.repetition_penalty == 1.f && params.presence_penalty == 0.f &&
+         params.frequency_penalty == 0.f;
+}
+
 SampleRowParams make_sample_row(const SamplingParams& params, uint64_t seed, uint32_t step) {
   SampleRowParams row;
   row.repetition_penalty = params.repetition_penalty;

@@ -39,6 +39,10 @@ uint64_t resolve_seed(const SamplingParams& params);
 // function for every sequence.
 uint64_t sequence_seed(uint64_t request_seed, uint32_t sequence_index);
 
+// Greedy with no penalty: the next token is the argmax of the raw logits, which a vocab-parallel
+// lm_head finds without gathering whole rows (next_tokens.h).
+bool plain_greedy(const SamplingParams& params);
+
 // The op's row from validated params (greedy rows: temperature 1, filters off).
 SampleRowParams make_sample_row(const SamplingParams& params, uint64_t seed, uint32_t step);
 

@@ -15,7 +15,7 @@ Model::Model(const ModelConfig& config, const FusionPlan& plan, const RankShard&
   check_plan_consistent(plan);
 }
 
-CacheShape Model::cache_shape(int max_seqs, int max_len) const {
+CacheShape Model::cache_shape(int max_seqs, int max_len, int page_size, int num_pages) const {
   CacheShape s;
   s.num_layers = c_.num_layers;
   for (auto t : c_.layer_types) s.sparse_layer.push_back(t == AttentionType::kSparse);
@@ -24,6 +24,9 @@ CacheShape Model::cache_shape(int max_seqs, int max_len) const {
   s.index_head_dim = c_.index_head_dim;
   s.max_seqs = max_seqs;
   s.max_len = max_len;
+  s.page_size = page_size;
+  s.num_pages = num_pages > 0 ? num_pages : max_seqs * s.pages_per_seq();
+  s.validate();
   return s;
 }
 
@@ -171,6 +174,7 @@ Tensor Model::forward(const StepTokens& step) {
     ops_.add_rmsnorm(pending, residual, w_.final_norm, eps, h);
 
   const int rows = int(step.logit_rows.size());
+  if (rows == 0) return Tensor();  // a prefill chunk that ends no prompt: no logits wanted
   // This rank's vocabulary slice of the logits (all of it unless lm_head is vocab-parallel).
   Tensor selected = ops_.alloc(rows, H), logits = ops_.alloc_typed(rows, shard_.vocab_size, DType::kF32);
   ops_.gather_logit_rows(h, selected);

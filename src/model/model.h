@@ -20,7 +20,9 @@ class Model {
   Model(const ModelConfig& config, const FusionPlan& plan, const RankShard& shard, const ModelWeights& weights,
         Ops& ops, Communicator& comm);
 
-  CacheShape cache_shape(int max_seqs, int max_len) const;
+  // The cache of `max_seqs` slots of `max_len` positions; num_pages 0: a page for every position
+  // of every slot (the identity page table).
+  CacheShape cache_shape(int max_seqs, int max_len, int page_size = kDefaultPageSize, int num_pages = 0) const;
   // Upper bound of the activation bytes one step of `max_tokens` tokens (and `max_logit_rows`
   // logit rows) allocates, for a backend that reserves its scratch up front. `act_bytes` is the
   // size of the backend's activation dtype.
@@ -28,8 +30,8 @@ class Model {
                                  size_t act_bytes);
   // Runs one step (the caller has made it current with ops.begin_step) and returns this rank's
   // logits of step.logit_rows as [rows, shard().vocab_size] fp32 (vocabulary entries from
-  // shard().vocab_begin), in backend memory. Launches only: no host sync, so a
-  // backend can capture it in a graph.
+  // shard().vocab_begin), in backend memory (an empty tensor when the step wants no rows). Launches only: no host sync,
+  // so a backend can capture it in a graph.
   Tensor forward(const StepTokens& step);
   const RankShard& shard() const { return shard_; }
   int num_layers() const { return c_.num_layers; }

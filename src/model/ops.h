@@ -26,18 +26,39 @@ struct StepTokens {
   std::vector<int32_t> logit_rows;
   // The last num_padding tokens only pad the batch to a recorded size: their results are ignored.
   int num_padding = 0;
+  // The paged cache's page table, [max_seqs][pages_per_seq] (CacheShape): position p of slot s is
+  // row page_table[s * pages_per_seq + p / page_size] * page_size + p % page_size of the pool; -1
+  // marks a page the slot does not hold. Empty: slot s holds pages [s * pages_per_seq, (s + 1) *
+  // pages_per_seq), the table of a pool with a page for every position of every slot.
+  std::vector<int32_t> page_table;
   int num_tokens() const { return int(token_ids.size()); }
 };
 
-// Per-rank shape of the KV cache (and the index-key cache of sparse layers).
+// Positions per KV-cache page unless a caller chooses (a power of two: kernels shift, not divide).
+inline constexpr int kDefaultPageSize = 16;
+
+// Per-rank shape of the KV cache (and the index-key cache of sparse layers): a pool of num_pages
+// pages of page_size positions each, which sequence slots map through StepTokens::page_table.
 struct CacheShape {
   int num_layers = 0;
   std::vector<bool> sparse_layer;  // layer has an index-key cache
   int num_kv_heads = 0;            // local to the rank
   int head_dim = 0;
   int index_head_dim = 0;
-  int max_seqs = 0;
-  int max_len = 0;
+  int max_seqs = 0;  // sequence slots (rows of the page table)
+  int max_len = 0;   // positions one slot may hold
+  int page_size = kDefaultPageSize;
+  int num_pages = 0;
+  int pages_per_seq() const { return (max_len + page_size - 1) / page_size; }
+  // Throws naming the problem: page_size not a power of two, an empty cache.
+  void validate() const;
+  // The row of (slot, position) in the pool, -1 where the slot holds no page for it (page_table as
+  // in StepTokens, empty for the identity table).
+  int64_t row(const std::vector<int32_t>& page_table, int slot, int position) const {
+    const int page = position / page_size, pps = pages_per_seq();
+    const int32_t phys = page_table.empty() ? slot * pps + page : page_table[size_t(slot) * pps + page];
+    return phys < 0 ? -1 : int64_t(phys) * page_size + position % page_size;
+  }
 };
 
 struct RopeParams {
@@ -107,6 +128,10 @@ struct SampleBatch {
   std::vector<int32_t> penalty_counts;
 };
 
+// Throws naming the problem when a token's slot, position or page is outside the cache (what
+// every backend's begin_step checks before it writes there).
+void check_step_fits_cache(const StepTokens& step, const CacheShape& cache);
+
 class Ops {
  public:
   virtual ~Ops() = default;
@@ -131,7 +156,8 @@ class Ops {
   virtual int last_step_launches() const { return 0; }
   // Allocates the KV cache; called once before the first step.
   virtual void init_cache(const CacheShape& shape) = 0;
-  // Makes `step` the current step (the CPU keeps a pointer, CUDA uploads ids/positions/slots).
+  // Makes `step` the current step (the CPU keeps a pointer, CUDA uploads ids/positions/slots and
+  // the page table). Checks that every token's (slot, position) has a page in the pool.
   virtual void begin_step(const StepTokens& step) = 0;
 
   // out[T, H] = table[token_ids[t]]

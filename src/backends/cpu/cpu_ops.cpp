@@ -89,26 +89,21 @@ Tensor CpuOps::alloc_typed(int64_t rows, int64_t cols, DType dtype) {
 }
 
 void CpuOps::init_cache(const CacheShape& shape) {
+  shape.validate();
   cache_shape_ = shape;
   cache_.assign(size_t(shape.num_layers), {});
-  const size_t slots = size_t(shape.max_seqs) * size_t(shape.max_len);
+  const size_t rows = size_t(shape.num_pages) * size_t(shape.page_size);
   for (int l = 0; l < shape.num_layers; ++l) {
-    cache_[l].k.assign(slots * shape.num_kv_heads * shape.head_dim, 0.f);
-    cache_[l].v.assign(slots * shape.num_kv_heads * shape.head_dim, 0.f);
-    if (shape.sparse_layer[l]) cache_[l].index_k.assign(slots * shape.index_head_dim, 0.f);
+    cache_[l].k.assign(rows * shape.num_kv_heads * shape.head_dim, 0.f);
+    cache_[l].v.assign(rows * shape.num_kv_heads * shape.head_dim, 0.f);
+    if (shape.sparse_layer[l]) cache_[l].index_k.assign(rows * shape.index_head_dim, 0.f);
   }
 }
 
 void CpuOps::begin_step(const StepTokens& step) {
   workspace_.clear();
   if (recorder_) recorder_->begin_step(step);
-  for (int t = 0; t < step.num_tokens(); ++t) {
-    TPMOE_CHECK(step.seq_slots[t] >= 0 && step.seq_slots[t] < cache_shape_.max_seqs,
-                "sequence slot {} outside the cache's {} slots", step.seq_slots[t], cache_shape_.max_seqs);
-    TPMOE_CHECK(step.positions[t] >= 0 && step.positions[t] < cache_shape_.max_len,
-                "position {} does not fit the KV cache ({} positions per sequence)", step.positions[t],
-                cache_shape_.max_len);
-  }
+  check_step_fits_cache(step, cache_shape_);
   step_ = &step;
 }
 
@@ -172,17 +167,19 @@ void CpuOps::head_norm_rope_one(Tensor x, int num_heads, Tensor weight, const Ro
 void CpuOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
                        Tensor out) {
   LayerCache& cache = cache_[p.layer];
-  const int T = step_->num_tokens(), hd = p.head_dim, nkv = p.num_kv_heads, L = cache_shape_.max_len;
+  const int T = step_->num_tokens(), hd = p.head_dim, nkv = p.num_kv_heads;
   const bool sparse = !index_q.empty();
-  auto kv_offset = [&](int slot, int pos) { return (size_t(slot) * L + pos) * nkv * hd; };
+  // Rows of the paged pool (begin_step checked every token's page).
+  auto row = [&](int slot, int pos) { return size_t(cache_shape_.row(step_->page_table, slot, pos)); };
+  auto kv_offset = [&](int slot, int pos) { return row(slot, pos) * nkv * hd; };
   // Every key of the step is written before any query reads, so prefill tokens see each other.
   for (int t = 0; t < T; ++t) {
     const int slot = step_->seq_slots[t], pos = step_->positions[t];
     std::memcpy(&cache.k[kv_offset(slot, pos)], k.as<float>() + size_t(t) * nkv * hd, sizeof(float) * nkv * hd);
     std::memcpy(&cache.v[kv_offset(slot, pos)], v.as<float>() + size_t(t) * nkv * hd, sizeof(float) * nkv * hd);
     if (sparse)
-      std::memcpy(&cache.index_k[(size_t(slot) * L + pos) * p.index_head_dim],
-                  index_k.as<float>() + size_t(t) * p.index_head_dim, sizeof(float) * p.index_head_dim);
+      std::memcpy(&cache.index_k[row(slot, pos) * p.index_head_dim], index_k.as<float>() + size_t(t) * p.index_head_dim,
+                  sizeof(float) * p.index_head_dim);
   }
   const int group = p.num_q_heads / nkv;
   int64_t work = 0;  // query x key pairs
@@ -196,7 +193,7 @@ void CpuOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor inde
       if (sparse) {  // the lightning indexer picks the key blocks this KV group may read
         const float* iq = index_q.as<float>() + (size_t(t) * p.num_index_heads + g) * p.index_head_dim;
         for (int s = 0; s <= pos; ++s)
-          scores[s] = dot(iq, &cache.index_k[(size_t(slot) * L + s) * p.index_head_dim], p.index_head_dim);
+          scores[s] = dot(iq, &cache.index_k[row(slot, s) * p.index_head_dim], p.index_head_dim);
         std::fill(visible.begin(), visible.end(), 0);
         for (int b : select_blocks(scores.data(), pos, p.block_size, p.topk_blocks, p.local_blocks))
           for (int s = b * p.block_size; s < std::min(pos + 1, (b + 1) * p.block_size); ++s) visible[s] = 1;

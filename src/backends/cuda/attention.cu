@@ -1,7 +1,7 @@
 // Attention over the bf16 KV cache (SPEC §1.3-1.4), in up to four launches on one stream:
 //
 // 1. cache_write_kernel, one block per token: copies the step's k, v rows (and index_k on sparse
-//    layers) into the cache at (seq_slots[t], positions[t]) with 16-byte vectors. A launch of its
+//    layers) into the cache row of (seq_slots[t], positions[t]) with 16-byte vectors. A launch of its
 //    own, so every key of the step is in the cache before any query reads (prefill sees itself).
 //    Bytes: T * (2*nkv*hd + ihd) * 2 read and written.
 // 2. select_blocks_kernel (sparse layers), one block per (token, index head g): fp32 scores
@@ -65,6 +65,18 @@ constexpr uint32_t kKeyPosInf = 0xFF800000u;  // key(+inf)
 constexpr uint32_t kKeyRemoved = 0u;          // below every float's key
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Where a slot's positions live in the paged pool (attention.cuh).
+struct PageMap {
+  const int32_t* table;  // [max_seqs][pages_per_seq]
+  int shift;             // log2(page size)
+  int pages_per_seq;
+  __device__ const int32_t* slot_pages(int slot) const { return table + size_t(slot) * pages_per_seq; }
+  // Pool row of `position` of the slot whose pages are `pages`.
+  __device__ static size_t row(const int32_t* pages, int shift, int position) {
+    return (size_t(pages[position >> shift]) << shift) | size_t(position & ((1 << shift) - 1));
+  }
+};
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct SplitPlan {
@@ -160,14 +172,14 @@ struct CacheWriteArgs {
   __nv_bfloat16* index_k_cache;
   const int32_t* positions;
   const int32_t* seq_slots;
+  PageMap pages;
   int kv_row;          // nkv * hd
   int index_head_dim;  // ihd
-  int max_len;
 };
 
 __global__ void __launch_bounds__(kCacheWriteThreads) cache_write_kernel(const CacheWriteArgs a) {
   const int t = blockIdx.x;
-  const size_t cache_row = size_t(a.seq_slots[t]) * size_t(a.max_len) + size_t(a.positions[t]);
+  const size_t cache_row = PageMap::row(a.pages.slot_pages(a.seq_slots[t]), a.pages.shift, a.positions[t]);
   {
     const uint4* ks = reinterpret_cast<const uint4*>(a.k + size_t(t) * a.kv_row);
     const uint4* vs = reinterpret_cast<const uint4*>(a.v + size_t(t) * a.kv_row);
@@ -190,13 +202,13 @@ __global__ void __launch_bounds__(kCacheWriteThreads) cache_write_kernel(const C
 
 struct SelectArgs {
   const __nv_bfloat16* index_q;        // [T, nih*ihd]
-  const __nv_bfloat16* index_k_cache;  // [max_seqs][max_len][ihd]
+  const __nv_bfloat16* index_k_cache;  // [pool rows][ihd]
   const int32_t* positions;
   const int32_t* seq_slots;
+  PageMap pages;
   int32_t* kept;  // [T][nih][topk]
   int num_index_heads;
   int index_head_dim;
-  int max_len;
   int block_size;
   int topk;
   int local_blocks;
@@ -227,12 +239,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   // Scores: 8 lanes per key, 4 keys per warp per step; the loop bound is warp-uniform so every
   // lane takes part in the shuffles.
   const int sub = lane / 8, lane8 = lane % 8, chunks = ihd / 8;
-  const __nv_bfloat16* k_base = a.index_k_cache + size_t(slot) * size_t(a.max_len) * ihd;
+  const int32_t* slot_pages = a.pages.slot_pages(slot);
   for (int s0 = warp * 4; s0 <= pos; s0 += num_warps * 4) {
     const int s = s0 + sub;
     float acc = 0.f;
     if (s <= pos) {
-      const __nv_bfloat16* k_row = k_base + size_t(s) * ihd;
+      const __nv_bfloat16* k_row = a.index_k_cache + PageMap::row(slot_pages, a.pages.shift, s) * ihd;
       for (int c = lane8; c < chunks; c += 8) {
         const uint4 kv = *reinterpret_cast<const uint4*>(k_row + c * 8);
         const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&kv);
@@ -320,13 +332,13 @@ struct SplitArgs {
   const __nv_bfloat16* v_cache;
   const int32_t* positions;
   const int32_t* seq_slots;
+  PageMap pages;
   const int32_t* kept;  // [T][nkv][topk] (sparse layers)
   int sparse;           // 0: full attention over [0, pos]
   int num_q_heads;
   int num_kv_heads;
   int group;        // nq / nkv
   int head_chunks;  // ceil(group / kMaxWarps)
-  int max_len;
   int block_size;
   int topk;
   float scale_log2;  // scale * log2(e)
@@ -406,8 +418,9 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
   __syncthreads();
 
   const int total = seg_off[num_segs];
-  const size_t pos_stride = size_t(a.num_kv_heads) * HD;  // elements between consecutive positions
-  const size_t head_base = size_t(slot) * size_t(a.max_len) * pos_stride + size_t(kvh) * HD;
+  const size_t pos_stride = size_t(a.num_kv_heads) * HD;  // elements between consecutive pool rows
+  const int32_t* slot_pages = a.pages.slot_pages(slot);
+  const size_t head_offset = size_t(kvh) * HD;
   float m = -INFINITY, l = 0.f;
   float acc[kDpl];
 #pragma unroll
@@ -436,7 +449,7 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
       const int p = tile_pos[r];
       uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
       if (p >= 0) {
-        const size_t off = head_base + size_t(p) * pos_stride + size_t(c) * 8;
+        const size_t off = PageMap::row(slot_pages, a.pages.shift, p) * pos_stride + head_offset + size_t(c) * 8;
         kv = *reinterpret_cast<const uint4*>(a.k_cache + off);
         vv = *reinterpret_cast<const uint4*>(a.v_cache + off);
       }
@@ -562,7 +575,11 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
   check_arg(c.num_kv_heads == p.num_kv_heads && c.head_dim == p.head_dim,
             "attention: the KV cache layer's num_kv_heads/head_dim differ from the op's");
   check_arg(c.max_len > 0 && c.max_seqs > 0, "attention: empty KV cache layer");
-  check_arg(p.q && p.k && p.v && p.out && c.k && c.v && p.positions && p.seq_slots, "attention: null pointer");
+  check_arg(c.page_shift >= 0 && c.page_shift < 31 && c.pages_per_seq == int(ceil_div(c.max_len, 1ll << c.page_shift)),
+            "attention: pages_per_seq=" + std::to_string(c.pages_per_seq) + " does not cover max_len=" +
+                std::to_string(c.max_len) + " in pages of 2^" + std::to_string(c.page_shift));
+  check_arg(p.q && p.k && p.v && p.out && c.k && c.v && c.page_table && p.positions && p.seq_slots,
+            "attention: null pointer");
   check_arg(aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) && aligned16(c.k) &&
                 aligned16(c.v) && aligned16(p.workspace),
             "attention: q, k, v, out, cache and workspace must be 16-byte aligned");
@@ -605,6 +622,7 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
 
   unsigned char* ws = static_cast<unsigned char*>(p.workspace);
   int32_t* kept = sparse ? reinterpret_cast<int32_t*>(ws) : nullptr;
+  const PageMap pages{c.page_table, c.page_shift, c.pages_per_seq};
 
   // 1. cache writes
   {
@@ -617,9 +635,9 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     a.index_k_cache = c.index_k;
     a.positions = p.positions;
     a.seq_slots = p.seq_slots;
+    a.pages = pages;
     a.kv_row = p.num_kv_heads * p.head_dim;
     a.index_head_dim = sparse ? p.index_head_dim : 0;
-    a.max_len = c.max_len;
     cache_write_kernel<<<unsigned(T), kCacheWriteThreads, 0, stream>>>(a);
     CUDA_CHECK_LAUNCH();
   }
@@ -638,10 +656,10 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     a.index_k_cache = c.index_k;
     a.positions = p.positions;
     a.seq_slots = p.seq_slots;
+    a.pages = pages;
     a.kept = kept;
     a.num_index_heads = p.num_index_heads;
     a.index_head_dim = p.index_head_dim;
-    a.max_len = c.max_len;
     a.block_size = p.block_size;
     a.topk = p.topk_blocks;
     a.local_blocks = p.local_blocks;
@@ -656,13 +674,13 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
   a.v_cache = c.v;
   a.positions = p.positions;
   a.seq_slots = p.seq_slots;
+  a.pages = pages;
   a.kept = kept;
   a.sparse = sparse ? 1 : 0;
   a.num_q_heads = p.num_q_heads;
   a.num_kv_heads = p.num_kv_heads;
   a.group = group;
   a.head_chunks = head_chunks;
-  a.max_len = c.max_len;
   a.block_size = sparse ? p.block_size : 0;
   a.topk = sparse ? p.topk_blocks : 0;
   a.scale_log2 = p.scale * 1.4426950408889634f;

@@ -2,15 +2,17 @@
 // selection, and causal GQA softmax attention (decode: split-KV; prefill: causal), full or
 // restricted to the kept key blocks.
 //
-// Cache layout (one contiguous region per sequence slot):
-//   k, v     [max_seqs][max_len][num_kv_heads][head_dim]  bf16
-//   index_k  [max_seqs][max_len][index_head_dim]          bf16 (sparse layers only)
-// Token t of the step belongs to slot seq_slots[t] at position positions[t] and attends to keys
-// 0..positions[t] of its slot. All keys of the step are written before any query reads, so prefill
-// tokens of one sequence see each other.
+// Cache layout: a pool of pages of 2^page_shift positions, shared by every sequence slot:
+//   k, v     [num_pages * page_size][num_kv_heads][head_dim]  bf16
+//   index_k  [num_pages * page_size][index_head_dim]          bf16 (sparse layers only)
+// Position p of slot s is pool row page_table[s * pages_per_seq + (p >> page_shift)] * page_size +
+// (p & (page_size - 1)). Token t of the step belongs to slot seq_slots[t] at position positions[t]
+// and attends to keys 0..positions[t] of its slot (the caller has mapped their pages). All keys of
+// the step are written before any query reads, so prefill tokens of one sequence see each other.
 //
-// Graph capture: the grid depends only on num_tokens and max_len (never on positions), so a decode
-// step captured once replays for any context length. Splits past a query's length exit early.
+// Graph capture: the grid depends only on num_tokens and max_len (never on positions), and the
+// page table is read from device memory at run time, so a decode step captured once replays for
+// any context length and any page assignment. Splits past a query's length exit early.
 //
 // Bytes for decode (T tokens at context L): K and V reads T*L*nkv*hd*2*2 dominate; the indexer adds
 // T*L*ihd*2 per sparse layer.
@@ -27,9 +29,12 @@ namespace tpmoe::cuda {
 struct KvCacheLayer {
   __nv_bfloat16* k = nullptr;
   __nv_bfloat16* v = nullptr;
-  __nv_bfloat16* index_k = nullptr;  // nullptr on full-attention layers
+  __nv_bfloat16* index_k = nullptr;     // nullptr on full-attention layers
+  const int32_t* page_table = nullptr;  // [max_seqs][pages_per_seq], device memory
   int max_seqs = 0;
   int max_len = 0;
+  int page_shift = 0;  // log2(page size)
+  int pages_per_seq = 0;
   int num_kv_heads = 0;
   int head_dim = 0;
   int index_head_dim = 0;

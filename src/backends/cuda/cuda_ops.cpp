@@ -91,6 +91,8 @@ CudaOps::CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options)
   const size_t step_bytes = (4 * size_t(reserve.max_tokens) + 1) * sizeof(int32_t);
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_device_), step_bytes));
   CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&step_pinned_), step_bytes));
+  CUDA_CHECK(cudaEventCreateWithFlags(&step_uploaded_, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(step_uploaded_, stream_));
   token_ids_ = step_device_;
   positions_ = step_device_ + reserve.max_tokens;
   seq_slots_ = step_device_ + 2 * reserve.max_tokens;
@@ -115,6 +117,7 @@ CudaOps::~CudaOps() {
   }
   for (auto& [key, g] : graphs_) cudaGraphExecDestroy(g.exec);
   for (void* p : cache_allocations_) cudaFree(p);
+  cudaFreeHost(page_table_pinned_);
   cudaFree(sample_device_);
   cudaFree(sample_workspace_);
   cudaFreeHost(sample_pinned_);
@@ -125,6 +128,7 @@ CudaOps::~CudaOps() {
   cudaFree(step_device_);
   cudaFree(routed_);
   cudaFreeHost(step_pinned_);
+  cudaEventDestroy(step_uploaded_);
   cudaStreamDestroy(stream_);
 }
 
@@ -139,17 +143,22 @@ Tensor CudaOps::alloc_typed(int64_t rows, int64_t cols, DType dtype) {
 }
 
 void CudaOps::init_cache(const CacheShape& shape) {
+  shape.validate();
+  CUDA_CHECK(cudaStreamSynchronize(stream_));  // nothing in flight may still read the old cache
   for (void* p : cache_allocations_) CUDA_CHECK(cudaFree(p));
   cache_allocations_.clear();
   cache_.clear();
+  cudaFreeHost(page_table_pinned_);
+  page_table_pinned_ = nullptr;
   for (auto& [key, g] : graphs_) CUDA_CHECK(cudaGraphExecDestroy(g.exec));  // they point at the old cache
   graphs_.clear();
   cache_shape_ = shape;
 
-  const size_t slots = size_t(shape.max_seqs) * size_t(shape.max_len);
-  const size_t kv_bytes = slots * shape.num_kv_heads * shape.head_dim * sizeof(__nv_bfloat16);
-  const size_t index_bytes = slots * shape.index_head_dim * sizeof(__nv_bfloat16);
-  size_t total = 0;
+  const size_t rows = size_t(shape.num_pages) * size_t(shape.page_size);
+  const size_t kv_bytes = rows * shape.num_kv_heads * shape.head_dim * sizeof(__nv_bfloat16);
+  const size_t index_bytes = rows * shape.index_head_dim * sizeof(__nv_bfloat16);
+  const size_t table_entries = size_t(shape.max_seqs) * shape.pages_per_seq();
+  size_t total = table_entries * sizeof(int32_t);
   for (int l = 0; l < shape.num_layers; ++l) total += 2 * kv_bytes + (shape.sparse_layer[l] ? index_bytes : 0);
   attention_workspace_bytes_ =
       attention_workspace_bytes(reserve_.max_tokens, reserve_.num_q_heads, reserve_.num_index_heads, reserve_.head_dim,
@@ -157,16 +166,32 @@ void CudaOps::init_cache(const CacheShape& shape) {
   size_t free_bytes = 0, total_bytes = 0;
   CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
   TPMOE_CHECK(total + attention_workspace_bytes_ <= free_bytes,
-              "KV cache for {} sequences x {} positions needs {:.2f} GiB but only {:.2f} GiB of GPU memory is free: "
-              "ask for fewer or shorter sequences",
-              shape.max_seqs, shape.max_len, double(total + attention_workspace_bytes_) / (1ull << 30),
-              double(free_bytes) / (1ull << 30));
+              "KV cache of {} pages x {} positions ({} slots of up to {}) needs {:.2f} GiB but only {:.2f} GiB of GPU "
+              "memory is free: ask for fewer pages or shorter sequences",
+              shape.num_pages, shape.page_size, shape.max_seqs, shape.max_len,
+              double(total + attention_workspace_bytes_) / (1ull << 30), double(free_bytes) / (1ull << 30));
   cudaFree(attention_workspace_);
   CUDA_CHECK(cudaMalloc(&attention_workspace_, std::max<size_t>(attention_workspace_bytes_, 1)));
+
+  // The page table starts as the identity (what a step without a table means, StepTokens).
+  void* table = nullptr;
+  CUDA_CHECK(cudaMalloc(&table, table_entries * sizeof(int32_t)));
+  cache_allocations_.push_back(table);
+  page_table_device_ = static_cast<int32_t*>(table);
+  CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&page_table_pinned_), table_entries * sizeof(int32_t)));
+  page_table_identity_.resize(table_entries);
+  for (size_t i = 0; i < table_entries; ++i) page_table_identity_[i] = int64_t(i) < shape.num_pages ? int32_t(i) : -1;
+  page_table_current_.clear();  // uploaded by the first begin_step
+
+  int page_shift = 0;
+  while ((1 << page_shift) < shape.page_size) ++page_shift;
   for (int l = 0; l < shape.num_layers; ++l) {
     KvCacheLayer c;
+    c.page_table = page_table_device_;
     c.max_seqs = shape.max_seqs;
     c.max_len = shape.max_len;
+    c.page_shift = page_shift;
+    c.pages_per_seq = shape.pages_per_seq();
     c.num_kv_heads = shape.num_kv_heads;
     c.head_dim = shape.head_dim;
     c.index_head_dim = shape.index_head_dim;
@@ -188,14 +213,10 @@ void CudaOps::begin_step(const StepTokens& step) {
   const int T = step.num_tokens(), R = int(step.logit_rows.size());
   TPMOE_CHECK(T <= reserve_.max_tokens, "CUDA backend: a step of {} tokens exceeds the {} reserved", T,
               reserve_.max_tokens);
-  for (int t = 0; t < T; ++t) {
-    TPMOE_CHECK(step.seq_slots[t] >= 0 && step.seq_slots[t] < cache_shape_.max_seqs,
-                "sequence slot {} outside the cache's {} slots", step.seq_slots[t], cache_shape_.max_seqs);
-    TPMOE_CHECK(step.positions[t] >= 0 && step.positions[t] < cache_shape_.max_len,
-                "position {} does not fit the KV cache ({} positions per sequence)", step.positions[t],
-                cache_shape_.max_len);
-  }
-  // The previous step's host reads have synchronised the stream, so the pinned buffer is free.
+  check_step_fits_cache(step, cache_shape_);
+  // The previous step's uploads have left the pinned buffers (a step without host reads, e.g. a
+  // prefill chunk that wants no logits, has not synchronised the stream).
+  CUDA_CHECK(cudaEventSynchronize(step_uploaded_));
   const int n = reserve_.max_tokens;
   std::memcpy(step_pinned_, step.token_ids.data(), sizeof(int32_t) * T);
   std::memcpy(step_pinned_ + n, step.positions.data(), sizeof(int32_t) * T);
@@ -204,6 +225,14 @@ void CudaOps::begin_step(const StepTokens& step) {
   step_pinned_[4 * n] = T - step.num_padding;
   CUDA_CHECK(
       cudaMemcpyAsync(step_device_, step_pinned_, (4 * n + 1) * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  const std::vector<int32_t>& table = step.page_table.empty() ? page_table_identity_ : step.page_table;
+  if (table != page_table_current_) {
+    std::memcpy(page_table_pinned_, table.data(), table.size() * sizeof(int32_t));
+    CUDA_CHECK(cudaMemcpyAsync(page_table_device_, page_table_pinned_, table.size() * sizeof(int32_t),
+                               cudaMemcpyHostToDevice, stream_));
+    page_table_current_ = table;
+  }
+  CUDA_CHECK(cudaEventRecord(step_uploaded_, stream_));
   num_tokens_ = T;
   num_logit_rows_ = R;
   arena_used_ = 0;

@@ -98,6 +98,7 @@ class CudaOps final : public Ops {
   // The current step's metadata on the device: token ids, positions, slots, logit rows (one copy).
   int32_t* step_device_ = nullptr;
   int32_t* step_pinned_ = nullptr;
+  cudaEvent_t step_uploaded_ = nullptr;  // recorded after the step's uploads from the pinned buffers
   int num_tokens_ = 0, num_logit_rows_ = 0;
   int64_t steps_begun_ = 0;
   int32_t *token_ids_ = nullptr, *positions_ = nullptr, *seq_slots_ = nullptr, *logit_rows_ = nullptr;
@@ -109,6 +110,11 @@ class CudaOps final : public Ops {
   CacheShape cache_shape_;
   std::vector<KvCacheLayer> cache_;
   std::vector<void*> cache_allocations_;
+  // The page table on the device ([max_seqs][pages_per_seq]), its pinned staging copy, and the
+  // table it holds now (uploaded again only when a step's table differs).
+  int32_t* page_table_device_ = nullptr;
+  int32_t* page_table_pinned_ = nullptr;
+  std::vector<int32_t> page_table_current_, page_table_identity_;
 
   // Per-op GPU time (CudaOpsOptions::profile_ops).
   class OpTimer {

@@ -937,11 +937,138 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   launch_k(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, stream, tune.pdl, cp);
 }
 
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// MXFP8 GEMV for decode-sized M (launch_fp8_linear with M <= kGemvMaxM): the weight stream is the
+// whole cost, so each warp streams whole weight rows with 16-byte loads (16 e4m3 = half a scale
+// block per lane; a warp covers 512 k per pass) while the activations sit in shared memory as bf16
+// ([M][K], loaded once per block). Widened exactly as the grouped GEMM does (dequant_e4m3x8),
+// products and sums in fp32, one warp reduction per output. kGemvRowsPerWarp rows per warp and a
+// 2-deep unroll over k keep four 16-byte loads in flight per lane.
+constexpr int kGemvMaxM = 8;
+constexpr int kGemvWarps = 8;
+constexpr int kGemvRowsPerWarp = 2;
+constexpr int kGemvKPerPass = kWarp * 16;
+
+template <int M>
+__global__ void __launch_bounds__(kGemvWarps* kWarp)
+    fp8_gemv_kernel(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ w_scale,
+                    void* out, bool out_f32, int N, int K) {
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  uint16_t* xs = reinterpret_cast<uint16_t*>(gemv_smem);  // [M][K] bf16 bits
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  for (int i = tid; i < M * K / 8; i += blockDim.x)
+    reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(x)[i];
+  __syncthreads();
+
+  const int row0 = (blockIdx.x * kGemvWarps + warp) * kGemvRowsPerWarp;
+  float acc[kGemvRowsPerWarp][M];
+#pragma unroll
+  for (int r = 0; r < kGemvRowsPerWarp; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+
+  for (int k0 = lane * 16; k0 < K; k0 += 2 * kGemvKPerPass) {
+    uint4 raw[2][kGemvRowsPerWarp];
+    uint32_t scale[2][kGemvRowsPerWarp];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int k = k0 + u * kGemvKPerPass;
+#pragma unroll
+      for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+        const int n = row0 + r;
+        const bool live = k < K && n < N;
+        raw[u][r] =
+            live ? ld_weight16(reinterpret_cast<const uint16_t*>(w + size_t(n) * K + k)) : make_uint4(0, 0, 0, 0);
+        scale[u][r] = live ? __ldg(w_scale + size_t(n) * (K / 32) + k / 32) : 127u;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int k = k0 + u * kGemvKPerPass;
+      if (k >= K) break;
+#pragma unroll
+      for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+        const uint4 lo = dequant_e4m3x8(make_uint2(raw[u][r].x, raw[u][r].y), scale[u][r]);
+        const uint4 hi = dequant_e4m3x8(make_uint2(raw[u][r].z, raw[u][r].w), scale[u][r]);
+        const uint32_t wv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const uint4* xv = reinterpret_cast<const uint4*>(xs + size_t(m) * K + k);
+          const uint4 x0 = xv[0], x1 = xv[1];
+          const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+          float a = acc[r][m];
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv[j]));
+            const float2 xf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xw[j]));
+            a = fmaf(wf.x, xf.x, a);
+            a = fmaf(wf.y, xf.y, a);
+          }
+          acc[r][m] = a;
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kGemvRowsPerWarp; ++r) {
+    const int n = row0 + r;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float v = warp_sum(acc[r][m]);
+      if (lane == 0 && n < N) {
+        if (out_f32)
+          static_cast<float*>(out)[size_t(m) * N + n] = v;
+        else
+          static_cast<__nv_bfloat16*>(out)[size_t(m) * N + n] = __float2bfloat16(v);
+      }
+    }
+  }
+}
+
+template <int M>
+void launch_fp8_gemv_m(const Fp8LinearParams& p, cudaStream_t stream) {
+  const size_t smem = size_t(M) * p.K * sizeof(uint16_t);
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(fp8_gemv_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const int rows_per_block = kGemvWarps * kGemvRowsPerWarp;
+  const unsigned blocks = unsigned((p.N + rows_per_block - 1) / rows_per_block);
+  fp8_gemv_kernel<M><<<blocks, kGemvWarps * kWarp, smem, stream>>>(reinterpret_cast<const uint16_t*>(p.x), p.w,
+                                                                   p.w_scale, p.out, p.out_f32, p.N, p.K);
+  CUDA_CHECK_LAUNCH();
+}
+
+// The GEMV serves M <= 8 when its operands allow 16-byte loads and the activations fit shared memory.
+bool fp8_gemv_fits(const Fp8LinearParams& p) {
+  return p.M >= 1 && p.M <= kGemvMaxM && p.K % 16 == 0 && aligned16(p.x) && aligned16(p.w) &&
+         size_t(p.M) * p.K * sizeof(uint16_t) <= 200 * 1024;
+}
+
+void launch_fp8_gemv(const Fp8LinearParams& p, cudaStream_t stream) {
+  switch (p.M) {
+    case 1: launch_fp8_gemv_m<1>(p, stream); break;
+    case 2: launch_fp8_gemv_m<2>(p, stream); break;
+    case 3: launch_fp8_gemv_m<3>(p, stream); break;
+    case 4: launch_fp8_gemv_m<4>(p, stream); break;
+    case 5: launch_fp8_gemv_m<5>(p, stream); break;
+    case 6: launch_fp8_gemv_m<6>(p, stream); break;
+    case 7: launch_fp8_gemv_m<7>(p, stream); break;
+    default: launch_fp8_gemv_m<8>(p, stream); break;
+  }
+}
+
+}  // namespace
+
 void launch_fp8_linear(const Fp8LinearParams& p, cudaStream_t stream) {
   check_arg(p.M >= 0 && p.N >= 1 && p.K >= 1, "launch_fp8_linear: need M >= 0, N >= 1, K >= 1");
   check_fp8_operands(p.w, p.w_scale, p.K, "launch_fp8_linear");
   check_arg(p.out != static_cast<const void*>(p.x), "launch_fp8_linear: out must not alias x");
   if (p.M == 0) return;
+  if (fp8_gemv_fits(p)) {
+    launch_fp8_gemv(p, stream);
+    return;
+  }
   // The token block as launch_moe picks it for the same number of (token, expert) pairs.
   const int block_m = p.M <= 64 ? 8 : p.M <= 128 ? 16 : 32;
   GemmParams gp;

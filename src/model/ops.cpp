@@ -1,0 +1,36 @@
+#include "model/ops.h"
+
+#include "core/error.h"
+
+namespace tpmoe {
+
+void CacheShape::validate() const {
+  TPMOE_CHECK(page_size > 0 && (page_size & (page_size - 1)) == 0, "KV cache: page size {} is not a power of two",
+              page_size);
+  TPMOE_CHECK(max_seqs > 0 && max_len > 0 && num_pages > 0,
+              "KV cache: {} slots of {} positions in {} pages: none may be zero", max_seqs, max_len, num_pages);
+  TPMOE_CHECK(int(sparse_layer.size()) == num_layers, "KV cache: {} sparse-layer flags for {} layers",
+              sparse_layer.size(), num_layers);
+}
+
+void check_step_fits_cache(const StepTokens& step, const CacheShape& cache) {
+  const int pps = cache.pages_per_seq();
+  TPMOE_CHECK(step.page_table.empty() || step.page_table.size() == size_t(cache.max_seqs) * pps,
+              "page table of {} entries for {} slots x {} pages", step.page_table.size(), cache.max_seqs, pps);
+  TPMOE_CHECK(!step.page_table.empty() || int64_t(cache.max_seqs) * pps <= cache.num_pages,
+              "no page table, but the pool's {} pages cannot hold {} slots x {} pages", cache.num_pages, cache.max_seqs,
+              pps);
+  for (int32_t page : step.page_table)
+    TPMOE_CHECK(page >= -1 && page < cache.num_pages, "page table entry {} outside the pool of {} pages", page,
+                cache.num_pages);
+  for (int t = 0; t < step.num_tokens(); ++t) {
+    const int slot = step.seq_slots[t], pos = step.positions[t];
+    TPMOE_CHECK(slot >= 0 && slot < cache.max_seqs, "sequence slot {} outside the cache's {} slots", slot,
+                cache.max_seqs);
+    TPMOE_CHECK(pos >= 0 && pos < cache.max_len, "position {} does not fit the KV cache ({} positions per sequence)",
+                pos, cache.max_len);
+    TPMOE_CHECK(cache.row(step.page_table, slot, pos) >= 0, "slot {} has no KV-cache page for position {}", slot, pos);
+  }
+}
+
+}  // namespace tpmoe
