@@ -2,7 +2,8 @@
 // It keeps the interface's contract (tpmoe/serving.h) the way the real one does: submit checks what
 // can never run, a thread steps every running request by one token per step, the stop checks of
 // generate (EOS / stop ids silent, stop strings cut by the StopMatcher on the detokenized text,
-// max_tokens), cancel ends a request with "abort" and frees its pages, stats count pages and totals.
+// max_tokens), cancel ends a request with "abort" and frees its pages, stats count pages and totals,
+// fail() ends serving early through the stop handler.
 // What a request generates is its script: `script(prompt)`, then EOS ids once the script runs out.
 #pragma once
 
@@ -47,6 +48,7 @@ class FakeScheduler : public Scheduler {
   static constexpr int32_t kRefusedId = 7;
 
   uint64_t submit(ServeRequest r) override {
+    TPMOE_CHECK(!failed_, "submit: serving has stopped");
     TPMOE_CHECK(!r.prompt.empty(), "submit: empty prompt");
     for (int32_t id : r.prompt) TPMOE_CHECK(id >= 0 && id < vocab_size_, "submit: id {} outside the vocabulary", id);
     TPMOE_CHECK(std::find(r.prompt.begin(), r.prompt.end(), kRefusedId) == r.prompt.end(),
@@ -80,6 +82,23 @@ class FakeScheduler : public Scheduler {
   }
   const ServeOptions& options() const override { return options_; }
   int vocab_size() const override { return vocab_size_; }
+  void set_stop_handler(std::function<void()> handler) override {
+    std::lock_guard lock(mutex_);
+    stop_handler_ = std::move(handler);
+  }
+
+  // What the real scheduler does when serving must end early (a rank failed): every request ends
+  // with "abort", later submits throw, and the stop handler runs.
+  void fail() {
+    std::function<void()> handler;
+    {
+      std::lock_guard lock(mutex_);
+      failed_ = true;
+      for (auto& [id, run] : running_) run.cancelled = true;
+      handler = stop_handler_;
+    }
+    if (handler) handler();
+  }
 
   // Every id cancel() was called with, in order.
   std::vector<uint64_t> cancel_calls() const {
@@ -155,7 +174,8 @@ class FakeScheduler : public Scheduler {
   std::map<uint64_t, Running> running_;
   ServeStats stats_;
   uint64_t next_id_ = 1;
-  bool quit_ = false;
+  bool quit_ = false, failed_ = false;
+  std::function<void()> stop_handler_;
   std::vector<uint64_t> cancel_calls_;
   std::atomic<int> peak_running_{0};
   std::thread thread_;

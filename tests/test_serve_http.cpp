@@ -398,5 +398,24 @@ TEST_F(ServeHttpSlow, StopEndsStreamsInFlight) {
   thread_ = std::thread([] {});  // the fixture joins it again
 }
 
+TEST_F(ServeHttpSlow, SchedulerFailureStopsTheServer) {
+  reply_ = std::string(200, 'z');
+  std::string body;
+  std::thread streamer([&] {
+    const auto r = post("/v1/completions", {{"prompt", "x"}, {"stream", true}});
+    if (r) body = r->body;
+  });
+  const auto deadline = std::chrono::steady_clock::now() + 10s;
+  while (scheduler_->stats().running == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+  scheduler_->fail();
+  thread_.join();  // the stop handler made run() return
+  streamer.join();
+  const std::vector<json> events = parse_sse(body);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "abort");
+  thread_ = std::thread([] {});  // the fixture joins it again
+}
+
 }  // namespace
 }  // namespace tpmoe::serve

@@ -30,7 +30,7 @@ TEST(ServeMetrics, ExpositionIsWellFormed) {
   m.record_response(400);
   ServeStats s;
   s.running = 3, s.waiting = 2, s.kv_pages_used = 10, s.kv_pages_total = 40, s.page_size = 16;
-  s.steps = 99, s.prompt_tokens = 1000, s.generated_tokens = 500, s.finished = 7, s.aborted = 1;
+  s.steps = 99, s.prompt_tokens = 1000, s.generated_tokens = 500, s.finished = 7, s.aborted = 1, s.preemptions = 4;
 
   const test::PromExposition e = test::parse_prometheus(m.render(s));
   EXPECT_EQ(e.value("tpmoe_requests_running"), 3);
@@ -42,6 +42,7 @@ TEST(ServeMetrics, ExpositionIsWellFormed) {
   EXPECT_EQ(e.value("tpmoe_generation_tokens_total"), 500);
   EXPECT_EQ(e.value("tpmoe_requests_finished_total"), 7);
   EXPECT_EQ(e.value("tpmoe_requests_aborted_total"), 1);
+  EXPECT_EQ(e.value("tpmoe_preemptions_total"), 4);
   EXPECT_EQ(e.type.at("tpmoe_requests_aborted_total"), "counter");
   EXPECT_EQ(e.type.at("tpmoe_kv_pages_used"), "gauge");
   EXPECT_EQ(e.value("tpmoe_time_to_first_token_seconds_count"), 2);

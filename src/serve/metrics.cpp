@@ -96,6 +96,9 @@ std::string ServerMetrics::render(const ServeStats& s) const {
                double(s.finished));
   write_metric(out, "tpmoe_requests_aborted_total", "counter", "Requests cancelled before they ended (client gone).",
                double(s.aborted));
+  write_metric(out, "tpmoe_preemptions_total", "counter",
+               "Running requests sent back to the queue for want of KV-cache pages (recomputed when readmitted).",
+               double(s.preemptions));
   std::lock_guard lock(mutex_);
   write_histogram(out, "tpmoe_time_to_first_token_seconds", "Time from a request's arrival to its first token.", ttft_);
   write_histogram(out, "tpmoe_time_per_output_token_seconds",

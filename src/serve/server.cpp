@@ -236,6 +236,9 @@ void OpenAIServer::Impl::setup_routes() {
   // A stream is many small writes: without TCP_NODELAY, Nagle's algorithm holds each one back until
   // the client acknowledges the last (up to its delayed-ACK time, tens of milliseconds).
   http.set_tcp_nodelay(true);
+  // httplib closes a kept-alive connection after 5 requests by default; a client sending many
+  // (a load generator) would reconnect every fifth.
+  http.set_keep_alive_max_count(1000);
 
   http.set_pre_routing_handler([](const httplib::Request& req, httplib::Response& res) {
     for (const Route& route : kRoutes) {
@@ -502,10 +505,27 @@ void OpenAIServer::Impl::stream_reply(httplib::Response& res, uint64_t id, std::
   res.set_chunked_content_provider("text/event-stream", std::move(provider), std::move(releaser));
 }
 
-OpenAIServer::OpenAIServer(Scheduler& scheduler, const text::TextModel& text, ServerOptions options)
-    : impl_(std::make_unique<Impl>(scheduler, text, std::move(options))) {}
+// The scheduler's stop handler (serving must end early, e.g. a rank failed) reaches the server
+// through this, so a handler that fires while the server is being destroyed finds it gone.
+struct OpenAIServer::StopLink {
+  std::mutex mutex;
+  OpenAIServer* server = nullptr;
+};
 
-OpenAIServer::~OpenAIServer() = default;
+OpenAIServer::OpenAIServer(Scheduler& scheduler, const text::TextModel& text, ServerOptions options)
+    : impl_(std::make_unique<Impl>(scheduler, text, std::move(options))), stop_link_(std::make_shared<StopLink>()) {
+  stop_link_->server = this;
+  scheduler.set_stop_handler([link = stop_link_] {
+    std::lock_guard lock(link->mutex);
+    if (link->server) link->server->stop();
+  });
+}
+
+OpenAIServer::~OpenAIServer() {
+  impl_->scheduler.set_stop_handler({});
+  std::lock_guard lock(stop_link_->mutex);
+  stop_link_->server = nullptr;
+}
 
 int OpenAIServer::bind() {
   const ServerOptions& o = impl_->options;

@@ -44,12 +44,14 @@ class OpenAIServer {
   // Serves until stop() (bind() first). Returns once every handler has finished.
   void run();
   // From any thread (a signal watcher): refuses new requests, cancels the ones in flight, and makes
-  // run() return.
+  // run() return. The scheduler calls it too when serving must end early (set_stop_handler).
   void stop();
 
  private:
   struct Impl;
+  struct StopLink;
   std::unique_ptr<Impl> impl_;
+  std::shared_ptr<StopLink> stop_link_;
 };
 
 }  // namespace tpmoe::serve
