@@ -356,14 +356,14 @@ class ServeHttpSlow : public ServeHttp {
 };
 
 TEST_F(ServeHttpSlow, SixtyFourStreamsAtOnce) {
-  reply_ = std::string(60, 'y');
+  reply_ = std::string(120, 'y');  // 100 steps of 10 ms: a second for all 64 clients to connect
   constexpr int kStreams = 64;
   std::vector<std::string> texts(kStreams);
   std::vector<int> statuses(kStreams, 0);
   std::vector<std::thread> clients;
   for (int i = 0; i < kStreams; ++i)
     clients.emplace_back([&, i] {
-      const auto r = post("/v1/completions", {{"prompt", {100 + i}}, {"stream", true}, {"max_tokens", 50}});
+      const auto r = post("/v1/completions", {{"prompt", {100 + i}}, {"stream", true}, {"max_tokens", 100}});
       if (!r) {
         texts[i] = "no response: " + httplib::to_string(r.error());
         return;
@@ -374,7 +374,7 @@ TEST_F(ServeHttpSlow, SixtyFourStreamsAtOnce) {
   for (auto& t : clients) t.join();
   for (int i = 0; i < kStreams; ++i) {
     EXPECT_EQ(statuses[i], 200) << "stream " << i;
-    EXPECT_EQ(texts[i], std::string(50, 'y')) << "stream " << i;
+    EXPECT_EQ(texts[i], std::string(100, 'y')) << "stream " << i;
   }
   EXPECT_EQ(scheduler_->peak_running(), kStreams) << "the 64 streams were not all in flight at once";
 }
