@@ -185,10 +185,12 @@ struct OpenAIServer::Impl {
   void handle_generate(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
   void stream_reply(httplib::Response& res, uint64_t id, std::shared_ptr<UpdateQueue> queue,
                     std::shared_ptr<Reply> reply);
-  void wait_reply(uint64_t id, UpdateQueue& queue, Reply& reply);
+  void wait_reply(UpdateQueue& queue, Reply& reply);
   // Reply::apply, and the time to the first token into the metrics as soon as it is known.
   ReasoningDelta apply(Reply& reply, const TimedUpdate& u);
-  std::vector<TimedUpdate> next_updates(uint64_t id, UpdateQueue& queue, const Reply& reply);
+  // The updates that came, after waiting for at least one; once the server has stopped and the
+  // scheduler did not end the request within kStopGrace, an "abort" made here.
+  std::vector<TimedUpdate> next_updates(UpdateQueue& queue, const Reply& reply);
   void finish_request(uint64_t id, const Reply& reply);
   void cancel(uint64_t id) { scheduler.cancel(id); }
 
@@ -416,7 +418,7 @@ void OpenAIServer::Impl::handle_generate(Endpoint endpoint, const httplib::Reque
       active.insert(id);
     }
     if (api.stream) return stream_reply(res, id, std::move(queue), std::move(reply));
-    wait_reply(id, *queue, *reply);
+    wait_reply(*queue, *reply);
     finish_request(id, *reply);
     send_json(res, 200, full_reply(reply->header(), reply->whole(), reply->finish_reason(), reply->usage()));
   } catch (const ApiError& e) {
@@ -426,7 +428,7 @@ void OpenAIServer::Impl::handle_generate(Endpoint endpoint, const httplib::Reque
   }
 }
 
-std::vector<TimedUpdate> OpenAIServer::Impl::next_updates(uint64_t id, UpdateQueue& queue, const Reply& reply) {
+std::vector<TimedUpdate> OpenAIServer::Impl::next_updates(UpdateQueue& queue, const Reply& reply) {
   for (;;) {
     std::vector<TimedUpdate> updates = queue.take(kPollInterval);
     if (!updates.empty()) return updates;
@@ -441,11 +443,11 @@ std::vector<TimedUpdate> OpenAIServer::Impl::next_updates(uint64_t id, UpdateQue
   }
 }
 
-void OpenAIServer::Impl::wait_reply(uint64_t id, UpdateQueue& queue, Reply& reply) {
+void OpenAIServer::Impl::wait_reply(UpdateQueue& queue, Reply& reply) {
   // A client that leaves while waiting here is not noticed (httplib 0.11 gives a handler no way to
   // see its socket close): the request runs to its end.
   while (!reply.finished())
-    for (const TimedUpdate& u : next_updates(id, queue, reply)) apply(reply, u);
+    for (const TimedUpdate& u : next_updates(queue, reply)) apply(reply, u);
 }
 
 ReasoningDelta OpenAIServer::Impl::apply(Reply& reply, const TimedUpdate& u) {
@@ -474,7 +476,7 @@ void OpenAIServer::Impl::stream_reply(httplib::Response& res, uint64_t id, std::
     try {
       if (reply->chat() && !write(sse_event(chat_role_chunk(reply->header())))) return false;
       while (!reply->finished()) {
-        for (const TimedUpdate& u : next_updates(id, *queue, *reply)) {
+        for (const TimedUpdate& u : next_updates(*queue, *reply)) {
           const ReasoningDelta delta = apply(*reply, u);
           // Completions send a chunk per update that added tokens (its text may still be empty, held
           // back as incomplete UTF-8): a client times its first token by the first chunk.
