@@ -3,7 +3,7 @@
 # The CUDA toolkit (nvcc, cuBLASLt, NCCL) is optional: without it the CPU build is made.
 set -euo pipefail
 packages=(cmake ninja-build g++ libfmt-dev nlohmann-json3-dev libcli11-dev libgtest-dev clang libclang-rt-14-dev
-          clang-format libopenmpi-dev openmpi-bin libpcre2-dev)
+          clang-format libopenmpi-dev openmpi-bin libpcre2-dev libcpp-httplib-dev)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

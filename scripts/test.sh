@@ -4,9 +4,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-# Test-only references from PyPI: Hugging Face tokenizers (tests/tokenizer/compare_hf.py) and Jinja2,
-# which Hugging Face renders chat templates with (tests/chat_template/render_reference.py).
-python3 -m pip install -q tokenizers==0.22.1 jinja2==3.1.6
+# Test-only references from PyPI: Hugging Face tokenizers (tests/tokenizer/compare_hf.py), Jinja2,
+# which Hugging Face renders chat templates with (tests/chat_template/render_reference.py), and the
+# official OpenAI client, which talks to `tpmoe serve` (tests/serve/test_openai_client.py).
+python3 -m pip install -q tokenizers==0.22.1 jinja2==3.1.6 openai==1.109.1
 jobs=$(nproc)
 [ -x /usr/local/cuda/bin/nvcc ] && export PATH="/usr/local/cuda/bin:$PATH"
 

@@ -99,7 +99,8 @@ class Cli : public ::testing::Test {
 };
 
 TEST_F(Cli, HelpOfEverySubcommandExitsZero) {
-  for (const char* cmd : {"", "generate ", "make-model ", "inspect ", "bench ", "chat ", "tokenize "}) {
+  for (const char* cmd :
+       {"", "generate ", "make-model ", "inspect ", "bench ", "bench serve ", "chat ", "serve ", "tokenize "}) {
     const auto r = test::run_cli(std::string(cmd) + "--help");
     EXPECT_EQ(r.exit_code, 0) << cmd << r.output;
     EXPECT_NE(r.output.find("Usage"), std::string::npos) << cmd << r.output;
@@ -286,6 +287,15 @@ TEST_F(Cli, TextErrorsAreClear) {
   const fs::path chat = dir_ / "bad.json";
   write_file(chat, "[{\"role\": \"user\",");
   expect_clean_error(test::run_cli("generate --device cpu --chat < " + quoted(chat)), {"--chat"});
+}
+
+TEST_F(Cli, ServeErrorsAreClear) {
+  // A server speaks text: a checkpoint without a tokenizer is refused before it listens.
+  expect_clean_error(test::run_cli("serve --device cpu --port 0 --model " + quoted(fixture())), {"tokenizer.json"});
+  expect_clean_error(test::run_cli("bench serve --url ftp://127.0.0.1:1"), {"--url"});
+  // Port 1 refuses connections: the first request names what it asked.
+  expect_clean_error(test::run_cli("bench serve --url http://127.0.0.1:1"), {"/v1/models"});
+  expect_clean_error(test::run_cli("bench serve --url http://127.0.0.1:1 --concurrency 1,x"), {"--concurrency"});
 }
 
 TEST_F(Cli, NonexistentModelDirIsNamed) {

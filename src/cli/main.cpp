@@ -1,15 +1,21 @@
-// The `tpmoe` command: generate, make-model, inspect, bench, tokenize. Errors print one line and exit 1.
+// The `tpmoe` command: generate, chat, serve, make-model, inspect, bench (and bench serve), tokenize. Errors
+// print one line and exit 1.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
-#include "cli/text_model.h"
+#include "cli/text_stream.h"
 #include "core/error.h"
 #include "engine/bench.h"
 #include "engine/launch.h"
@@ -18,6 +24,9 @@
 #include "io/checkpoint.h"
 #include "model/presets.h"
 #include "model/weights.h"
+#include "serve/bench_serve.h"
+#include "serve/server.h"
+#include "text/text_model.h"
 #include "text/tokenizer.h"
 #include "tpmoe/tpmoe.h"
 
@@ -173,9 +182,9 @@ void run_generate(const GenerateFlags& f) {
   const bool text_mode = !f.prompt.empty() || f.chat;
   auto engine = f.model.load(f.model.options());
   warn_unknown(*engine);
-  std::optional<cli::TextModel> text_model;
+  std::optional<text::TextModel> text_model;
   if (text_mode) {
-    text_model = cli::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
+    text_model = text::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
     const std::string prompt = f.chat ? text_model->render_chat(read_chat_request()) : f.prompt;
     const auto ids = text_model->tokenizer.encode(prompt);
     TPMOE_CHECK(!ids.empty(), "the prompt encodes to no tokens");
@@ -276,7 +285,7 @@ void run_chat(const ChatFlags& f) {
   TPMOE_CHECK(!launched_by_mpi(), "chat reads the terminal in one process: start it without mpirun (--tp N works)");
   auto engine = f.model.load(f.model.options());
   warn_unknown(*engine);
-  const cli::TextModel tm = cli::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
+  const text::TextModel tm = text::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
   nlohmann::ordered_json messages = nlohmann::ordered_json::array();
   if (!f.system.empty()) messages.push_back({{"role", "system"}, {"content", f.system}});
   fmt::print("chat with {} (an empty line or /exit ends it)\n",
@@ -306,6 +315,92 @@ void run_chat(const ChatFlags& f) {
   }
 }
 
+// ---- serve -------------------------------------------------------------------------------------
+
+struct ServeFlags {
+  ModelFlags model;
+  ServeOptions serving;
+  serve::ServerOptions server;
+};
+
+// SIGINT / SIGTERM ask the server to stop; the handler only sets a flag (all it may do), a thread
+// of the serving front polls it. SA_RESETHAND: a second Ctrl-C kills at once should stopping hang.
+std::atomic<bool> g_stop_requested{false};
+
+void request_stop(int) { g_stop_requested = true; }
+
+void install_stop_signals() {
+  struct sigaction action {};
+  action.sa_handler = request_stop;
+  action.sa_flags = SA_RESETHAND;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGINT, &action, nullptr);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+// The preset's name, or the model folder's ("/models/m3/" -> "m3").
+std::string default_served_name(const ModelFlags& m) {
+  if (m.model_dir.empty()) return m.preset.empty() ? kDefaultPreset : m.preset;
+  std::filesystem::path dir = std::filesystem::absolute(m.model_dir).lexically_normal();
+  if (dir.filename().empty()) dir = dir.parent_path();
+  return dir.filename().string();
+}
+
+void run_serve(ServeFlags f) {
+  auto engine = f.model.load(f.model.options());
+  warn_unknown(*engine);
+  const text::TextModel tm = text::load_text_model(f.model.model_dir, engine->vocab_size(), engine->eos_token_ids());
+  if (f.server.served_model_name.empty()) f.server.served_model_name = default_served_name(f.model);
+  // Under mpirun every process ignores the signals mpirun forwards: the other ranks follow rank 0's
+  // steps and return when its server stops.
+  install_stop_signals();
+  engine->serve(f.serving, [&](Scheduler& scheduler) {
+    serve::OpenAIServer server(scheduler, tm, f.server);
+    const int port = server.bind();
+    fmt::print("tpmoe serve: listening on http://{}:{} model '{}' (Ctrl-C stops)\n", f.server.host, port,
+               f.server.served_model_name);
+    std::fflush(stdout);
+    std::atomic<bool> stopped{false};
+    std::thread watcher([&] {
+      while (!stopped && !g_stop_requested) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      server.stop();
+    });
+    try {
+      server.run();
+    } catch (...) {
+      stopped = true;
+      watcher.join();
+      throw;
+    }
+    stopped = true;
+    watcher.join();
+  });
+  if (engine->is_primary()) fmt::print("tpmoe serve: stopped\n");
+}
+
+struct BenchServeFlags {
+  serve::ServeBenchOptions options;
+  std::string concurrency = "1,16,64";
+  std::string json;
+};
+
+void run_bench_serve(BenchServeFlags f) {
+  f.options.concurrencies = parse_int_list(f.concurrency, "--concurrency");
+  const serve::ServeBenchReport report = serve::run_serve_bench(f.options);
+  fmt::print("{}", serve::format_serve_bench(report));
+  if (!f.json.empty()) {
+    const std::string text = serve::serve_bench_json(report).dump(2) + "\n";
+    std::FILE* out = std::fopen(f.json.c_str(), "w");
+    TPMOE_CHECK(out, "--json: cannot write {}", f.json);
+    const bool written = std::fwrite(text.data(), 1, text.size(), out) == text.size();
+    TPMOE_CHECK(std::fclose(out) == 0 && written, "--json: writing {} failed", f.json);
+    fmt::print("wrote {}\n", f.json);
+  }
+  int requests = 0;
+  for (const auto& row : report.rows) requests += row.requests;
+  TPMOE_CHECK(report.failed() == 0, "bench serve: {} of {} requests failed", report.failed(), requests);
+}
+
 // ---- make-model --------------------------------------------------------------------------------
 
 struct MakeModelFlags {
@@ -320,9 +415,9 @@ void run_make_model(const MakeModelFlags& f) {
   const auto layout = f.layout == "hub" ? io::CheckpointLayout::kHub : io::CheckpointLayout::kTransformers;
   const DType dtype = f.dtype == "f32" ? DType::kF32 : f.dtype == "mxfp8" ? DType::kF8E4M3 : DType::kBF16;
   if (dtype == DType::kF8E4M3) set_mxfp8(config);  // quantized linears + quantization_config
-  config.eos_token_ids = cli::preset_eos_ids(config.vocab_size);
+  config.eos_token_ids = text::preset_eos_ids(config.vocab_size);
   io::write_checkpoint(f.out, config, random_weights(config, f.seed, dtype), layout, f.shards);
-  cli::write_preset_text_files(f.out, config.vocab_size);  // tokenizer.json, chat_template.jinja
+  text::write_preset_text_files(f.out, config.vocab_size);  // tokenizer.json, chat_template.jinja
   fmt::print("wrote {} ({}, {} layers, {} shard(s), with a tokenizer and chat template)\n", f.out,
              io::layout_name(layout), config.num_layers, f.shards);
 }
@@ -535,6 +630,58 @@ int main(int argc, char** argv) {
       ->excludes(b->get_option("--allreduce-fusion"));
   b->add_option("--json", bf.json, "also write the table (full precision) to this JSON file");
 
+  BenchServeFlags bsf;
+  auto* bs = b->add_subcommand("serve", "load an OpenAI-compatible server: TTFT, TPOT, tokens/s per concurrency");
+  bs->add_option("--url", bsf.options.url, "the server, e.g. http://127.0.0.1:8000")->required();
+  bs->add_option("--concurrency", bsf.concurrency, "comma-separated requests in flight at most")->capture_default_str();
+  bs->add_option("--num-prompts", bsf.options.num_prompts, "requests per concurrency (default: max(4 x it, 16))")
+      ->check(CLI::PositiveNumber);
+  bs->add_option("--input-len", bsf.options.input_len, "prompt tokens per request (random ids)")
+
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  bs->add_option("--output-len", bsf.options.output_len, "generated tokens per request")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  bs->add_option("--model", bsf.options.model, "model name to request (default: the one the server lists)");
+  bs->add_option("--vocab-size", bsf.options.vocab_size, "draw prompt ids below this (default: the server's)")
+      ->check(CLI::PositiveNumber);
+  bs->add_option("--seed", bsf.options.seed, "seed of the random prompts")->capture_default_str();
+  bs->add_option("--timeout", bsf.options.timeout_s, "seconds one request may take")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  bs->add_option("--json", bsf.json, "also write the table (full precision) to this JSON file");
+
+  ServeFlags sv;
+  auto* s = app.add_subcommand("serve", "an OpenAI-compatible HTTP server (embedded default model without --model)");
+  sv.model.add_to(s);
+  s->add_option("--host", sv.server.host, "address to listen on")->capture_default_str();
+  s->add_option("--port", sv.server.port, "port to listen on (0: a free one, printed)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  s->add_option("--served-model-name", sv.server.served_model_name,
+                "the model name requests give (default: the preset's name or the model folder's)");
+  s->add_option("--max-batch", sv.serving.max_batch, "sequences in the running batch at most")
+
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  s->add_option("--max-context", sv.serving.max_context, "positions per sequence: prompt + reply")
+
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  s->add_option("--max-step-tokens", sv.serving.max_step_tokens, "tokens one step holds (decode + prefill chunks)")
+
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  s->add_option("--page-size", sv.serving.page_size, "positions per KV-cache page")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  s->add_option("--kv-pages", sv.serving.kv_pages, "KV-cache pages in the pool (0: enough for max-batch full contexts)")
+
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  s->add_flag("--access-log", sv.server.access_log, "print one line per HTTP response on stderr");
+
   std::string bench_op;
   int bench_op_tp = 1;
   auto* bo = app.add_subcommand("bench-op", "microseconds of one op on the GPU per size: allreduce");
@@ -566,8 +713,12 @@ int main(int argc, char** argv) {
       run_make_model(mk);
     else if (*i)
       run_inspect(in);
+    else if (*bs)
+      run_bench_serve(bsf);
     else if (*b)
       run_bench(bf);
+    else if (*s)
+      run_serve(sv);
     else if (*t)
       run_tokenize(tk);
     else if (*c)

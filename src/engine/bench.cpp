@@ -17,15 +17,15 @@
 
 namespace tpmoe {
 
-namespace {
-
-// Percentile with linear interpolation between order statistics (numpy's default), q in [0, 100].
 double percentile(std::vector<double> v, double q) {
+  TPMOE_CHECK(!v.empty(), "percentile of no values");
   std::sort(v.begin(), v.end());
   const double pos = q / 100.0 * double(v.size() - 1);
   const size_t lo = size_t(std::floor(pos)), hi = std::min(lo + 1, v.size() - 1);
   return v[lo] + (pos - double(lo)) * (v[hi] - v[lo]);
 }
+
+namespace {
 
 GenerateRequest bench_request(int batch, int prompt_len, int new_tokens) {
   GenerateRequest req;

@@ -50,6 +50,9 @@ struct BenchOptions {
 };
 
 std::vector<int> default_batches(const std::string& device);
+// Percentile with linear interpolation between order statistics (numpy's default), q in [0, 100]:
+// the one every benchmark reports (v non-empty).
+double percentile(std::vector<double> v, double q);
 // The four combinations --compare-fusions runs: on/on, off/on, on/off, off/off.
 std::vector<FusionSetting> all_fusion_settings();
 

@@ -1,4 +1,4 @@
-// What makes a model speak text on the command line: its tokenizer, its chat template, the special
+// What makes a model speak text (the command line, the server): its tokenizer, its chat template, the special
 // tokens the template sees and the ids generation stops at. A checkpoint folder provides them as
 // Hugging Face lays them out (tokenizer.json, chat_template.jinja or tokenizer_config.json); a
 // preset gets the preset tokenizer and template (src/text/preset_text.h).
@@ -12,21 +12,20 @@
 
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
-#include "tpmoe/tpmoe.h"
 
-namespace tpmoe::cli {
+namespace tpmoe::text {
 
 struct TextModel {
-  explicit TextModel(text::Tokenizer t) : tokenizer(std::move(t)) {}
+  explicit TextModel(Tokenizer t) : tokenizer(std::move(t)) {}
 
-  text::Tokenizer tokenizer;
-  std::optional<text::ChatTemplate> chat_template;  // absent: the folder has none (chat is an error)
-  std::string chat_template_error;                  // why it is absent
+  Tokenizer tokenizer;
+  std::optional<ChatTemplate> chat_template;  // absent: the folder has none (chat is an error)
+  std::string chat_template_error;            // why it is absent
   nlohmann::ordered_json special_tokens = nlohmann::ordered_json::object();
   std::vector<int32_t> eos_ids;  // config.json's eos_token_id, else the tokenizer's eos token
 
   // The prompt text of a conversation, rendered with the model's template (a reply asked for).
-  std::string render_chat(const text::ChatRequest& request) const;
+  std::string render_chat(const ChatRequest& request) const;
 };
 
 // `model_dir` empty: the preset tokenizer and template for a vocabulary of `vocab_size`.
@@ -37,9 +36,4 @@ void write_preset_text_files(const std::string& dir, int vocab_size);
 // The preset tokenizer's stop ids (end of message, end of text).
 std::vector<int32_t> preset_eos_ids(int vocab_size);
 
-// Streams each sequence's text as tokens arrive: fills req.detokenize (a streaming decoder per
-// sequence, holding back incomplete UTF-8) and req.on_text (calls `sink`).
-void attach_text_stream(GenerateRequest& req, const text::Tokenizer& tokenizer,
-                        std::function<void(int sequence, const std::string& text)> sink);
-
-}  // namespace tpmoe::cli
+}  // namespace tpmoe::text
