@@ -177,7 +177,7 @@ class SpmdEngine final : public Engine {
     // its plans (threads through the channel, processes through broadcasts).
     std::unique_ptr<BatchScheduler> scheduler;
     if (is_primary()) scheduler = std::make_unique<BatchScheduler>(options, config_.vocab_size);
-    PlanChannel channel(ranks.size());
+    PlanChannel channel(ranks.size() - 1);  // to local ranks 1.. (rank 0 makes the plans)
     std::thread front_thread;
     try {
       runner_->run(
@@ -192,7 +192,7 @@ class SpmdEngine final : public Engine {
             if (r.rank() != 0) {
               for (;;) {
                 auto plan =
-                    launch_.multi_process ? std::make_shared<const StepPlan>(receive_plan()) : channel.receive(i);
+                    launch_.multi_process ? std::make_shared<const StepPlan>(receive_plan()) : channel.receive(i - 1);
                 if (plan->shutdown) return;
                 run_plan(*ops, model, *plan);
               }

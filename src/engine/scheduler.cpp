@@ -111,7 +111,6 @@ ServeLayout BatchScheduler::layout_for(const ServeOptions& o) {
   TPMOE_CHECK(o.kv_pages >= 0, "serve: kv_pages must be >= 0, got {}", o.kv_pages);
   ServeLayout l;
   l.max_seqs = o.max_batch + 1;
-  l.padding_slot = o.max_batch;
   l.pages_per_seq = (o.max_context + o.page_size - 1) / o.page_size;
   l.num_pages = (o.kv_pages > 0 ? o.kv_pages : o.max_batch * l.pages_per_seq) + 1;
   l.padding_page = l.num_pages - 1;
@@ -288,11 +287,17 @@ void BatchScheduler::build(StepPlan& plan) {
   SampleBatchBuilder sampling;
   plan.greedy = true;
   int budget = options_.max_step_tokens;
+  // The step's rows of the page table: one per request in the step, in the order they join it (a
+  // request appears once per step), so the table the backend uploads is as small as the step.
+  const int pps = layout_.pages_per_seq;
   auto add_tokens = [&](const RequestPtr& r, int n) {
+    const int row = int(in_flight_.size());
+    st.page_table.resize(size_t(row + 1) * pps, -1);
+    std::copy(r->pages.begin(), r->pages.end(), st.page_table.begin() + size_t(row) * pps);
     for (int i = 0; i < n; ++i) {
       st.token_ids.push_back(r->tokens[size_t(r->num_computed + i)]);
       st.positions.push_back(r->num_computed + i);
-      st.seq_slots.push_back(r->slot);
+      st.seq_slots.push_back(row);
     }
     const bool logit_row = r->num_computed + n == int(r->tokens.size());
     if (logit_row) {
@@ -328,22 +333,22 @@ void BatchScheduler::build(StepPlan& plan) {
   if (in_flight_.empty()) return;
 
   const bool pad = records_steps_ && decode_only && int(in_flight_.size()) == st.num_tokens();
-  if (pad) {
+  if (pad) {  // the padding rows share one more table row, which maps position 0 to the padding page
     const int rows = st.num_tokens(), bucket = decode_bucket(rows);
+    if (bucket > rows) {
+      st.page_table.resize(size_t(rows + 1) * pps, -1);
+      st.page_table[size_t(rows) * pps] = layout_.padding_page;
+    }
     for (int i = rows; i < bucket; ++i) {
       st.token_ids.push_back(0);
       st.positions.push_back(0);
-      st.seq_slots.push_back(layout_.padding_slot);
+      st.seq_slots.push_back(rows);
       st.logit_rows.push_back(i);
       sampling.add_greedy_row();
     }
     st.num_padding = bucket - rows;
     plan.graph_key = bucket;
   }
-  st.page_table.assign(size_t(layout_.max_seqs) * layout_.pages_per_seq, -1);
-  for (const RequestPtr& r : running_)
-    std::copy(r->pages.begin(), r->pages.end(), st.page_table.begin() + size_t(r->slot) * layout_.pages_per_seq);
-  st.page_table[size_t(layout_.padding_slot) * layout_.pages_per_seq] = layout_.padding_page;
   if (!plan.greedy) plan.sampling = sampling.batch();
 }
 

@@ -19,8 +19,10 @@
 //   - each step holds every decode row first, then prefill chunks in arrival order, up to
 //     max_step_tokens;
 //   - a step of decode rows only is padded to a bucket size on a backend that records steps, the
-//     padding rows in a slot of their own (one page kept aside for it), so a few recorded graphs
-//     serve every batch.
+//     padding rows in a page-table row of their own (one page kept aside for it), so a few
+//     recorded graphs serve every batch;
+//   - a plan's slots are the step's own numbering (0, 1, ... in the order requests join the step)
+//     and its page table holds only those rows: a request's keys are wherever its pages are.
 #pragma once
 
 #include <condition_variable>
@@ -55,8 +57,7 @@ struct StepPlan {
 
 // Sizes of the paged cache a scheduler drives, fixed when serving starts.
 struct ServeLayout {
-  int max_seqs = 0;  // cache slots: max_batch, plus the padding slot
-  int padding_slot = 0;
+  int max_seqs = 0;   // rows of a step's page table: max_batch, plus one the padding rows share
   int num_pages = 0;  // pool pages, the padding page included
   int padding_page = 0;
   int pages_per_seq = 0;

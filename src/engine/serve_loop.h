@@ -19,7 +19,7 @@ namespace tpmoe {
 // Collective.
 std::vector<int32_t> run_plan(Ops& ops, Model& model, const StepPlan& plan);
 
-// Rank 0's plans, handed to the other local ranks' threads in order.
+// Rank 0's plans, handed to the other local ranks' threads in order (receiver i: local rank i + 1).
 class PlanChannel {
  public:
   explicit PlanChannel(size_t receivers) : queues_(receivers) {}

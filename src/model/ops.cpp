@@ -15,8 +15,11 @@ void CacheShape::validate() const {
 
 void check_step_fits_cache(const StepTokens& step, const CacheShape& cache) {
   const int pps = cache.pages_per_seq();
-  TPMOE_CHECK(step.page_table.empty() || step.page_table.size() == size_t(cache.max_seqs) * pps,
-              "page table of {} entries for {} slots x {} pages", step.page_table.size(), cache.max_seqs, pps);
+  TPMOE_CHECK(step.page_table.empty() ||
+                  (step.page_table.size() % pps == 0 && step.page_table.size() <= size_t(cache.max_seqs) * pps),
+              "page table of {} entries: not whole rows of {} pages for at most {} slots", step.page_table.size(), pps,
+              cache.max_seqs);
+  const int table_rows = step.page_table.empty() ? cache.max_seqs : int(step.page_table.size() / pps);
   TPMOE_CHECK(!step.page_table.empty() || int64_t(cache.max_seqs) * pps <= cache.num_pages,
               "no page table, but the pool's {} pages cannot hold {} slots x {} pages", cache.num_pages, cache.max_seqs,
               pps);
@@ -25,8 +28,7 @@ void check_step_fits_cache(const StepTokens& step, const CacheShape& cache) {
                 cache.num_pages);
   for (int t = 0; t < step.num_tokens(); ++t) {
     const int slot = step.seq_slots[t], pos = step.positions[t];
-    TPMOE_CHECK(slot >= 0 && slot < cache.max_seqs, "sequence slot {} outside the cache's {} slots", slot,
-                cache.max_seqs);
+    TPMOE_CHECK(slot >= 0 && slot < table_rows, "sequence slot {} outside the page table's {} slots", slot, table_rows);
     TPMOE_CHECK(pos >= 0 && pos < cache.max_len, "position {} does not fit the KV cache ({} positions per sequence)",
                 pos, cache.max_len);
     TPMOE_CHECK(cache.row(step.page_table, slot, pos) >= 0, "slot {} has no KV-cache page for position {}", slot, pos);

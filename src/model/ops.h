@@ -26,10 +26,13 @@ struct StepTokens {
   std::vector<int32_t> logit_rows;
   // The last num_padding tokens only pad the batch to a recorded size: their results are ignored.
   int num_padding = 0;
-  // The paged cache's page table, [max_seqs][pages_per_seq] (CacheShape): position p of slot s is
-  // row page_table[s * pages_per_seq + p / page_size] * page_size + p % page_size of the pool; -1
-  // marks a page the slot does not hold. Empty: slot s holds pages [s * pages_per_seq, (s + 1) *
-  // pages_per_seq), the table of a pool with a page for every position of every slot.
+  // The paged cache's page table, [slots][pages_per_seq] with slots <= max_seqs (CacheShape):
+  // position p of slot s is row page_table[s * pages_per_seq + p / page_size] * page_size +
+  // p % page_size of the pool; -1 marks a page the slot does not hold. A slot is only the step's
+  // name for a sequence: where its keys live is the table's business, so a scheduler may number
+  // the step's sequences 0, 1, ... and send only their rows. Empty: slot s holds pages
+  // [s * pages_per_seq, (s + 1) * pages_per_seq), the table of a pool with a page for every
+  // position of every slot.
   std::vector<int32_t> page_table;
   int num_tokens() const { return int(token_ids.size()); }
 };
