@@ -10,7 +10,9 @@ model=("$@")
 mkdir -p "$out"
 for fusion in on off; do
   log="$out/serve_$fusion.log"
-  "$tpmoe" serve "${model[@]}" --shared-expert-fusion "$fusion" --port 0 --max-batch 64 >"$log" 2>&1 &
+  # A step budget that prefills a whole wave of 64 prompts at once, as tpmoe bench does.
+  "$tpmoe" serve "${model[@]}" --shared-expert-fusion "$fusion" --port 0 --max-batch 64 --max-step-tokens 8192 \
+    >"$log" 2>&1 &
   pid=$!
   url=""
   for _ in $(seq 600); do  # model build + weight generation: up to 5 minutes

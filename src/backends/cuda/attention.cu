@@ -603,10 +603,13 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
   const int head_chunks = int(ceil_div(group, kMaxWarps));
   check_arg(int64_t(p.num_kv_heads) * head_chunks <= 65535, "attention: too many KV heads for the grid");
 
-  const SplitPlan plan = plan_splits(T, p.num_q_heads, c.max_len);
+  check_arg(p.context_bound >= 0 && p.context_bound <= c.max_len,
+            "attention: context_bound=" + std::to_string(p.context_bound) + " outside [0, max_len]");
+  const int bound = p.context_bound > 0 ? p.context_bound : c.max_len;
+  const SplitPlan plan = plan_splits(T, p.num_q_heads, bound);
   check_arg(plan.num_splits <= 65535, "attention: max_len too large for the split grid");
   const size_t kept_region = sparse ? kept_bytes(T, p.num_index_heads, p.topk_blocks) : 0;
-  const size_t need = kept_region + partial_bytes(T, p.num_q_heads, p.head_dim, c.max_len);
+  const size_t need = kept_region + partial_bytes(T, p.num_q_heads, p.head_dim, bound);
   check_arg(p.workspace_bytes >= need && (need == 0 || p.workspace != nullptr),
             "attention: workspace of " + std::to_string(p.workspace_bytes) + " bytes, the step needs " +
                 std::to_string(need) + " (size it with attention_workspace_bytes)");

@@ -10,9 +10,10 @@
 // and attends to keys 0..positions[t] of its slot (the caller has mapped their pages). All keys of
 // the step are written before any query reads, so prefill tokens of one sequence see each other.
 //
-// Graph capture: the grid depends only on num_tokens and max_len (never on positions), and the
-// page table is read from device memory at run time, so a decode step captured once replays for
-// any context length and any page assignment. Splits past a query's length exit early.
+// Graph capture: the grid depends only on num_tokens and the context bound (never on positions),
+// and the page table is read from device memory at run time, so a decode step captured once
+// replays for any context below its bound and any page assignment. Splits past a query's length
+// exit early.
 //
 // Bytes for decode (T tokens at context L): K and V reads T*L*nkv*hd*2*2 dominate; the indexer adds
 // T*L*ihd*2 per sparse layer.
@@ -50,6 +51,9 @@ struct AttentionKernelParams {
   const int32_t* positions = nullptr;  // [T]
   const int32_t* seq_slots = nullptr;  // [T]
   int num_tokens = 0;
+  // Every query of the step sits below this position (0: cache.max_len). The split-KV grid is sized
+  // by it, not by max_len, so a short context in a long cache launches few splits.
+  int context_bound = 0;
   int num_q_heads = 0;
   int num_kv_heads = 0;
   int head_dim = 0;

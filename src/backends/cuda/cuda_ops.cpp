@@ -16,7 +16,8 @@
 namespace tpmoe::cuda {
 
 namespace {
-constexpr size_t kAllocAlign = 256;  // every arena allocation starts 256-byte aligned (16-byte loads, cuBLASLt)
+constexpr size_t kAllocAlign = 256;    // every arena allocation starts 256-byte aligned (16-byte loads, cuBLASLt)
+constexpr int kMinContextBound = 256;  // the attention grid's smallest context bound (one split of 256 keys)
 
 const __nv_bfloat16* bf16(const Tensor& t) { return static_cast<const __nv_bfloat16*>(t.data); }
 __nv_bfloat16* bf16_mut(const Tensor& t) { return static_cast<__nv_bfloat16*>(t.data); }
@@ -233,6 +234,13 @@ void CudaOps::begin_step(const StepTokens& step) {
     page_table_current_ = table;
   }
   CUDA_CHECK(cudaEventRecord(step_uploaded_, stream_));
+  // The attention grid covers positions below a power of two (256 at least) above the step's
+  // largest, not the whole cache: few splits for short contexts, few recordings per batch size.
+  int max_position = 0;
+  for (int32_t p : step.positions) max_position = std::max(max_position, p);
+  context_bound_ = kMinContextBound;
+  while (context_bound_ <= max_position) context_bound_ *= 2;
+  context_bound_ = std::min(context_bound_, cache_shape_.max_len);
   num_tokens_ = T;
   num_logit_rows_ = R;
   arena_used_ = 0;
@@ -241,7 +249,7 @@ void CudaOps::begin_step(const StepTokens& step) {
 
 Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
   if (profile_ops_) return body();  // per-op events need eager launches
-  auto it = graphs_.find(key);
+  auto it = graphs_.find({key, context_bound_});
   if (it == graphs_.end()) {
     // Record the step once; allocation inside it is a deterministic bump, so replays reuse the
     // same addresses, including the returned logits.
@@ -270,7 +278,7 @@ Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
     }
     CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
-    it = graphs_.emplace(key, g).first;
+    it = graphs_.emplace(std::make_pair(key, context_bound_), g).first;
   }
   CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
   last_step_launches_ = it->second.kernels;
@@ -349,6 +357,7 @@ void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor ind
   a.positions = positions_;
   a.seq_slots = seq_slots_;
   a.num_tokens = num_tokens_;
+  a.context_bound = context_bound_;
   a.num_q_heads = p.num_q_heads;
   a.num_kv_heads = p.num_kv_heads;
   a.head_dim = p.head_dim;

@@ -156,7 +156,9 @@ class CudaOps final : public Ops {
     int kernels = 0;        // kernel launches the recording replays
   };
   int last_step_launches_ = 0;
-  std::map<int, Graph> graphs_;
+  // Recorded steps by (caller's key, context bound): the attention grid depends on both.
+  std::map<std::pair<int, int>, Graph> graphs_;
+  int context_bound_ = 0;  // the current step's (begin_step): positions below it, a power of two
 };
 
 }  // namespace tpmoe::cuda
