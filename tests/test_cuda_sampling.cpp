@@ -139,6 +139,8 @@ TEST(CudaSampling, MatchesTheCpuOpTokenForToken) {
         DeviceBuffer<float> d_logits(b.logits);
         DeviceBuffer<int32_t> d_ids(static_cast<size_t>(R));  // poisoned: -1 everywhere
         gpu.sample(Tensor::make(d_logits.get(), DType::kF32, R, V), b.batch, Tensor::make(d_ids.get(), DType::kI32, R));
+        // The op runs on the ops' non-blocking stream, which a plain cudaMemcpy does not wait for.
+        CUDA_CHECK(cudaStreamSynchronize(gpu.stream()));
         const std::vector<int32_t> got = d_ids.download();
         std::vector<float> host = b.logits;
         std::vector<int32_t> want(static_cast<size_t>(R), -2);
@@ -175,6 +177,7 @@ TEST(CudaSampling, GreedyRowsEqualTheArgmaxOp) {
   gpu.sample(Tensor::make(d_logits.get(), DType::kF32, R, V), builder.batch(),
              Tensor::make(d_sampled.get(), DType::kI32, R));
   gpu.argmax(Tensor::make(d_logits.get(), DType::kF32, R, V), Tensor::make(d_argmax.get(), DType::kI32, R), Tensor());
+  CUDA_CHECK(cudaStreamSynchronize(gpu.stream()));
   const std::vector<int32_t> sampled = d_sampled.download(), argmax = d_argmax.download();
   EXPECT_EQ(sampled, argmax);
   EXPECT_EQ(sampled[1], 7);
@@ -201,6 +204,7 @@ TEST(CudaSampling, SeedsReproduceAcrossBatches) {
   gpu.sample(Tensor::make(d_big.get(), DType::kF32, 19, V), big.batch, Tensor::make(d_big_ids.get(), DType::kI32, 19));
   gpu.sample(Tensor::make(d_big.get() + size_t(5) * V, DType::kF32, 1, V), alone,
              Tensor::make(d_alone_id.get(), DType::kI32, 1));
+  CUDA_CHECK(cudaStreamSynchronize(gpu.stream()));
   EXPECT_EQ(d_alone_id.download()[0], d_big_ids.download()[5]);
 }
 
