@@ -353,6 +353,7 @@ TEST_F(ServeHttp, MetricsAfterTraffic) {
 class ServeHttpSlow : public ServeHttp {
  protected:
   ServeHttpSlow() : ServeHttp(10ms) {}
+  std::thread start_long_stream(std::string& body);
 };
 
 TEST_F(ServeHttpSlow, SixtyFourStreamsAtOnce) {
@@ -379,16 +380,23 @@ TEST_F(ServeHttpSlow, SixtyFourStreamsAtOnce) {
   EXPECT_EQ(scheduler_->peak_running(), kStreams) << "the 64 streams were not all in flight at once";
 }
 
-TEST_F(ServeHttpSlow, StopEndsStreamsInFlight) {
+// A streamed completion of 200 characters on its own thread (its SSE body lands in `body`), once
+// the scheduler runs it.
+std::thread ServeHttpSlow::start_long_stream(std::string& body) {
   reply_ = std::string(200, 'z');
-  std::string body;
-  std::thread streamer([&] {
+  std::thread streamer([this, &body] {
     const auto r = post("/v1/completions", {{"prompt", "x"}, {"stream", true}});
     if (r) body = r->body;
   });
   const auto deadline = std::chrono::steady_clock::now() + 10s;
   while (scheduler_->stats().running == 0 && std::chrono::steady_clock::now() < deadline)
     std::this_thread::sleep_for(5ms);
+  return streamer;
+}
+
+TEST_F(ServeHttpSlow, StopEndsStreamsInFlight) {
+  std::string body;
+  std::thread streamer = start_long_stream(body);
   server_->stop();
   thread_.join();  // run() returns
   streamer.join();
@@ -399,15 +407,8 @@ TEST_F(ServeHttpSlow, StopEndsStreamsInFlight) {
 }
 
 TEST_F(ServeHttpSlow, SchedulerFailureStopsTheServer) {
-  reply_ = std::string(200, 'z');
   std::string body;
-  std::thread streamer([&] {
-    const auto r = post("/v1/completions", {{"prompt", "x"}, {"stream", true}});
-    if (r) body = r->body;
-  });
-  const auto deadline = std::chrono::steady_clock::now() + 10s;
-  while (scheduler_->stats().running == 0 && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(5ms);
+  std::thread streamer = start_long_stream(body);
   scheduler_->fail();
   thread_.join();  // the stop handler made run() return
   streamer.join();

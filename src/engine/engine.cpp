@@ -139,11 +139,9 @@ class SpmdEngine final : public Engine {
         ranks.size(),
         [&](size_t i) {
           RankBackend& r = *ranks[i];
-          r.activate();
-          std::unique_ptr<Ops> ops = r.make_ops(budget);
-          Model model(config_, plan_, RankShard::make(config_, layout_, r.rank()), r.weights(), *ops, r.comm());
-          ops->init_cache(request_cache_shape(model, req, ops->records_steps()));
-          generate_on_rank(*ops, model, config_.vocab_size, req, seed, r.rank() == 0 ? &result : nullptr);
+          RankSession s = open_rank(r, budget);
+          s.ops->init_cache(request_cache_shape(*s.model, req, s.ops->records_steps()));
+          generate_on_rank(*s.ops, *s.model, config_.vocab_size, req, seed, r.rank() == 0 ? &result : nullptr);
         },
         [&] { return group_->wake_blocked_peers(); }, [&](size_t i) { return ranks[i]->rank(); });
     return result;
@@ -184,20 +182,20 @@ class SpmdEngine final : public Engine {
           ranks.size(),
           [&](size_t i) {
             RankBackend& r = *ranks[i];
-            r.activate();
-            std::unique_ptr<Ops> ops = r.make_ops(budget);
-            Model model(config_, plan_, RankShard::make(config_, layout_, r.rank()), r.weights(), *ops, r.comm());
-            ops->init_cache(
+            RankSession s = open_rank(r, budget);
+            Ops& ops = *s.ops;
+            Model& model = *s.model;
+            ops.init_cache(
                 model.cache_shape(layout.max_seqs, options.max_context, options.page_size, layout.num_pages));
             if (r.rank() != 0) {
               for (;;) {
                 auto plan =
                     launch_.multi_process ? std::make_shared<const StepPlan>(receive_plan()) : channel.receive(i - 1);
                 if (plan->shutdown) return;
-                run_plan(*ops, model, *plan);
+                run_plan(ops, model, *plan);
               }
             }
-            scheduler->set_records_steps(ops->records_steps());
+            scheduler->set_records_steps(ops.records_steps());
             front_thread = std::thread([&] {
               front(*scheduler);
               scheduler->shutdown();
@@ -209,7 +207,7 @@ class SpmdEngine final : public Engine {
               else
                 channel.publish(plan);
               if (plan->shutdown) return;
-              scheduler->complete(run_plan(*ops, model, *plan));
+              scheduler->complete(run_plan(ops, model, *plan));
             }
           },
           [&] {
@@ -227,6 +225,21 @@ class SpmdEngine final : public Engine {
   }
 
  private:
+  // A rank's ops for one request or serving run (scratch reserved for `budget`) and the model over
+  // them; members in this order so the model goes first.
+  struct RankSession {
+    std::unique_ptr<Ops> ops;
+    std::unique_ptr<Model> model;
+  };
+  // On the rank's own thread: makes its device current, then its ops and model.
+  RankSession open_rank(RankBackend& r, const StepBudget& budget) const {
+    r.activate();
+    RankSession s;
+    s.ops = r.make_ops(budget);
+    s.model = std::make_unique<Model>(config_, plan_, RankShard::make(config_, layout_, r.rank()), r.weights(), *s.ops,
+                                      r.comm());
+    return s;
+  }
   // Rank 0's plan to the other processes (mpirun): its size, then its bytes.
   void broadcast_plan(const StepPlan& plan) const {
     std::vector<std::byte> bytes = plan.serialize();
