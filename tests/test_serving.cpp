@@ -212,6 +212,28 @@ TEST(Serving, RequestsThatCanNeverRunAreRefusedNamingTheProblem) {
   EXPECT_THROW(engine->serve(bad, [](Scheduler&) {}), Error);
 }
 
+TEST(Serving, AFrontThatFailsEndsServingWithItsError) {
+  auto engine = Engine::from_preset("tiny", 2, kSeed, cpu_options());
+  ServeOptions o;
+  o.max_context = 32;
+  try {
+    engine->serve(o, [](Scheduler&) { TPMOE_FAIL("port 8000 is taken"); });
+    ADD_FAILURE() << "serve returned normally";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("port 8000 is taken"), std::string::npos) << e.what();
+  }
+  // The engine still serves afterwards.
+  engine->serve(o, [&](Scheduler& s) {
+    Collector c;
+    ServeRequest r;
+    r.prompt = {1, 2};
+    r.sampling.max_tokens = 2;
+    r.on_update = c.sink(0);
+    s.submit(r);
+    c.wait(1);
+  });
+}
+
 TEST(Serving, StepPlansSurviveTheirByteForm) {
   StepPlan p;
   p.tokens.token_ids = {1, 2, 3};

@@ -147,22 +147,6 @@ class SpmdEngine final : public Engine {
     return result;
   }
 
-  // Engine policy: a request's prefill runs as one step and its decode in batches padded to a
-  // bucket (so a few recorded graphs serve every batch).
-  static StepBudget step_budget(const GenerateRequest& req) {
-    int prefill_tokens = 0, longest = 0;
-    for (const auto& p : req.prompts) {
-      prefill_tokens += int(p.size());
-      longest = std::max(longest, int(p.size()));
-    }
-    const int decode_rows = decode_bucket(int(req.prompts.size()));
-    StepBudget b;
-    b.max_tokens = std::max(prefill_tokens, decode_rows);
-    b.max_logit_rows = std::max(req.return_prefill_logits ? prefill_tokens : int(req.prompts.size()), decode_rows);
-    b.max_seqs = decode_rows;
-    b.max_len = longest + req.max_new_tokens;
-    return b;
-  }
   void serve(const ServeOptions& options, const std::function<void(Scheduler&)>& front) override {
     const ServeLayout layout = BatchScheduler::layout_for(options);
     StepBudget budget;
@@ -177,6 +161,7 @@ class SpmdEngine final : public Engine {
     if (is_primary()) scheduler = std::make_unique<BatchScheduler>(options, config_.vocab_size);
     PlanChannel channel(ranks.size() - 1);  // to local ranks 1.. (rank 0 makes the plans)
     std::thread front_thread;
+    std::exception_ptr front_error;
     try {
       runner_->run(
           ranks.size(),
@@ -197,7 +182,11 @@ class SpmdEngine final : public Engine {
             }
             scheduler->set_records_steps(ops.records_steps());
             front_thread = std::thread([&] {
-              front(*scheduler);
+              try {
+                front(*scheduler);
+              } catch (...) {  // e.g. the port is taken: serving ends, and serve() rethrows it
+                front_error = std::current_exception();
+              }
               scheduler->shutdown();
             });
             for (;;) {
@@ -222,9 +211,26 @@ class SpmdEngine final : public Engine {
       throw;
     }
     if (front_thread.joinable()) front_thread.join();
+    if (front_error) std::rethrow_exception(front_error);
   }
 
  private:
+  // Engine policy: a request's prefill runs as one step and its decode in batches padded to a
+  // bucket (so a few recorded graphs serve every batch).
+  static StepBudget step_budget(const GenerateRequest& req) {
+    int prefill_tokens = 0, longest = 0;
+    for (const auto& p : req.prompts) {
+      prefill_tokens += int(p.size());
+      longest = std::max(longest, int(p.size()));
+    }
+    const int decode_rows = decode_bucket(int(req.prompts.size()));
+    StepBudget b;
+    b.max_tokens = std::max(prefill_tokens, decode_rows);
+    b.max_logit_rows = std::max(req.return_prefill_logits ? prefill_tokens : int(req.prompts.size()), decode_rows);
+    b.max_seqs = decode_rows;
+    b.max_len = longest + req.max_new_tokens;
+    return b;
+  }
   // A rank's ops for one request or serving run (scratch reserved for `budget`) and the model over
   // them; members in this order so the model goes first.
   struct RankSession {
