@@ -491,6 +491,8 @@ void run_bench(const BenchFlags& f) {
   o.emulate_tp = f.model.emulate_tp;
   o.preset_dtype = f.model.preset_dtype;
   o.threads = f.model.threads;
+  o.profile_ops = f.model.profile_ops;
+  o.allreduce_path = f.model.allreduce_path;
   if (!f.batches.empty()) o.batches = parse_int_list(f.batches, "--batch");
   const bool cuda = o.device == "cuda";
   o.prompt_len = f.prompt_len.value_or(cuda ? 128 : 32);

@@ -151,6 +151,8 @@ BenchReport run_bench(const BenchOptions& o) {
     eo.preset_dtype = o.preset_dtype;
     eo.device = o.device;
     eo.threads = o.threads;
+    eo.profile_ops = o.profile_ops;
+    eo.allreduce_path = o.allreduce_path;
     eo.shared_expert_fusion = s.shared_expert_fusion;
     eo.allreduce_fusion = s.allreduce_fusion;
     progress(fmt::format("[{}/{}] fusions {}: building the engine ({}) ...", done + 1, total, s.label(), report.model));

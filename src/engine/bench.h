@@ -41,7 +41,9 @@ struct BenchOptions {
   int emulate_tp = 0;                 // > 0: rank 0 of a tp-N group on one device (EngineOptions::emulate_tp)
   std::string preset_dtype = "bf16";  // bf16 or mxfp8 (EngineOptions::preset_dtype)
   int threads = 0;
-  std::vector<int> batches;  // empty: default_batches(device)
+  bool profile_ops = false;             // EngineOptions::profile_ops (steps then run eagerly)
+  std::string allreduce_path = "auto";  // EngineOptions::allreduce_path
+  std::vector<int> batches;             // empty: default_batches(device)
   int prompt_len = 32;
   int new_tokens = 32;  // G >= 3: G - 1 decode steps, G - 2 of them timed as TPOT
   int warmup = 1;       // warm-up generates per (setting, batch)
