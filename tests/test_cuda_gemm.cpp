@@ -1,9 +1,14 @@
-// Dense projections through cuBLASLt (Gemm::linear) against the CPU oracle's linear, at awkward
-// shapes: batch 1, 3, 19; widths that are not multiples of the vector width; bf16 and fp32 outputs.
+// Dense projections through cuBLASLt (Gemm::linear) and the decode GEMV (launch_gemv) against the
+// CPU oracle's linear, at awkward shapes: batch 1, 3, 19; widths that are not multiples of the vector
+// width; bf16 and fp32 outputs.
 #include <gtest/gtest.h>
+
+#include <deque>
 
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/gemm.h"
+#include "backends/cuda/gemv.cuh"
+#include "core/error.h"
 #include "cuda_test_util.h"
 #include "test_util.h"
 
@@ -51,6 +56,113 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                            return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" +
                                   std::to_string(info.param.K);
                          });
+
+}  // namespace
+}  // namespace tpmoe
+
+// ---- the decode GEMV (gemv.cuh): up to 6 projections of one input in one launch ------------------
+
+namespace tpmoe {
+namespace {
+
+struct GemvCase {
+  int M, K;
+};
+
+class CudaGemv : public ::testing::TestWithParam<GemvCase> {};
+
+// Each output of one launch against the CPU oracle, and bit-equal to the same projection launched
+// alone: fusing projections into one launch changes nothing but the launch count.
+TEST_P(CudaGemv, EveryOutputMatchesCpuAndItsOwnLaunch) {
+  TPMOE_REQUIRE_GPU();
+  const auto [M, K] = GetParam();
+  const std::vector<int> widths = {100, 8, 1, 257, 64};  // rows per projection, ragged on purpose
+  const auto x = test::round_bf16(test::random_floats(size_t(M) * K, 1.0f, 5 + M));
+  test::DeviceBuffer<__nv_bfloat16> dx(test::to_bf16(x));
+  std::vector<float> x_host = x;
+  cpu::CpuOps cpu;
+
+  std::vector<std::vector<float>> want;
+  std::deque<test::DeviceBuffer<__nv_bfloat16>> weights, outs_bf16;  // deque: buffers do not move
+  std::deque<test::DeviceBuffer<float>> outs_f32;
+  cuda::GemvParams fused;
+  fused.x = dx.get();
+  fused.M = M;
+  fused.K = K;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    const int N = widths[i];
+    const auto w = test::round_bf16(test::random_floats(size_t(N) * K, 0.02f, 41 + int(i)));
+    std::vector<uint16_t> w_bits(w.size());
+    for (size_t j = 0; j < w.size(); ++j) w_bits[j] = f32_to_bf16(w[j]);
+    std::vector<float> ref(size_t(M) * N);
+    cpu.linear(Tensor::make(x_host.data(), DType::kF32, M, K), Tensor::make(w_bits.data(), DType::kBF16, N, K),
+               Tensor::make(ref.data(), DType::kF32, M, N));
+    want.push_back(ref);
+    weights.emplace_back(test::to_bf16(w));
+    outs_bf16.emplace_back(size_t(M) * N);
+    outs_f32.emplace_back(size_t(M) * N);
+    // Odd outputs in fp32 (the router's logits), even ones in bf16.
+    const bool f32 = i % 2 == 1;
+    fused.outputs[fused.count++] = {weights.back().get(), nullptr,
+                                    f32 ? static_cast<void*>(outs_f32.back().get()) : outs_bf16.back().get(), f32, N};
+  }
+  ASSERT_TRUE(cuda::gemv_fits(fused));
+  cuda::launch_gemv(fused, nullptr);
+  for (size_t i = 0; i < widths.size(); ++i) {
+    const bool f32 = i % 2 == 1;
+    const std::vector<float> got = f32 ? outs_f32[i].download() : test::from_bf16(outs_bf16[i].download());
+    EXPECT_LT(test::relative_l2(got, want[i]), f32 ? kTolFp32Output : test::kTolBf16) << "output " << i;
+
+    cuda::GemvParams alone = fused;
+    alone.outputs[0] = fused.outputs[i];
+    alone.count = 1;
+    test::DeviceBuffer<float> own_f32(size_t(M) * widths[i]);
+    test::DeviceBuffer<__nv_bfloat16> own_bf16(size_t(M) * widths[i]);
+    alone.outputs[0].out = f32 ? static_cast<void*>(own_f32.get()) : own_bf16.get();
+    cuda::launch_gemv(alone, nullptr);
+    if (f32)
+      EXPECT_EQ(own_f32.download(), outs_f32[i].download()) << "output " << i;
+    else
+      EXPECT_EQ(test::from_bf16(own_bf16.download()), test::from_bf16(outs_bf16[i].download())) << "output " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemv,
+                         ::testing::Values(GemvCase{1, 16}, GemvCase{1, 6144}, GemvCase{3, 272}, GemvCase{8, 3072},
+                                           GemvCase{5, 8192}),
+                         [](const auto& info) {
+                           return "M" + std::to_string(info.param.M) + "_K" + std::to_string(info.param.K);
+                         });
+
+TEST(CudaGemv, DeclinesWhatItCannotRead) {
+  TPMOE_REQUIRE_GPU();
+  test::DeviceBuffer<__nv_bfloat16> x(9 * 64), w(64 * 64), out(9 * 64);
+  test::DeviceBuffer<uint8_t> scale(64 * 2);
+  cuda::GemvParams p;
+  p.x = x.get();
+  p.M = 1;
+  p.K = 64;
+  p.outputs[0] = {w.get(), nullptr, out.get(), false, 64};
+  p.count = 1;
+  EXPECT_TRUE(cuda::gemv_fits(p));
+  cuda::GemvParams q = p;
+  q.M = 9;  // more tokens than the GEMV serves
+  EXPECT_FALSE(cuda::gemv_fits(q));
+  EXPECT_THROW(cuda::launch_gemv(q, nullptr), Error);
+  q = p;
+  q.K = 56;  // K % 16 != 0
+  EXPECT_FALSE(cuda::gemv_fits(q));
+  q = p;
+  q.x = x.get() + 1;  // not 16-byte aligned
+  EXPECT_FALSE(cuda::gemv_fits(q));
+  q = p;
+  q.outputs[1] = {w.get(), scale.get(), out.get(), false, 64};  // an MXFP8 weight beside a bf16 one
+  q.count = 2;
+  EXPECT_FALSE(cuda::gemv_fits(q));
+  q = p;
+  q.outputs[0].out = const_cast<__nv_bfloat16*>(p.x);  // out aliases x
+  EXPECT_THROW(cuda::launch_gemv(q, nullptr), Error);
+}
 
 }  // namespace
 }  // namespace tpmoe

@@ -68,6 +68,7 @@ struct ModelFlags {
   std::string allreduce_path = "auto";
   int emulate_tp = 0;
   std::string preset_dtype = "bf16";
+  std::string pdl = "on", decode_gemv = "on";
 
   void add_to(CLI::App* app, bool with_device = true) {
     app->add_option("--model", model_dir, "checkpoint directory (config.json + safetensors)");
@@ -90,6 +91,11 @@ struct ModelFlags {
         ->check(CLI::IsMember({"bf16", "mxfp8"}));
     app->add_option("--allreduce-path", allreduce_path, "cuda, tp > 1: force one all-reduce path for every size")
         ->check(CLI::IsMember({"auto", "push", "oneshot", "twoshot", "nccl"}));
+    app->add_option("--pdl", pdl, "cuda: programmatic dependent launch between a step's kernels, on|off")
+        ->check(CLI::IsMember({"on", "off"}));
+    app->add_option("--decode-gemv", decode_gemv,
+                    "cuda: linears of <= 8 tokens on tpmoe's GEMV (off: cuBLASLt), on|off")
+        ->check(CLI::IsMember({"on", "off"}));
   }
   std::string resolved_device() const { return device.empty() ? default_device() : device; }
   EngineOptions options() const {
@@ -103,6 +109,8 @@ struct ModelFlags {
     o.allreduce_path = allreduce_path;
     o.emulate_tp = emulate_tp;
     o.preset_dtype = preset_dtype;
+    o.pdl = pdl == "on";
+    o.decode_gemv = decode_gemv == "on";
     return o;
   }
   std::unique_ptr<Engine> load(const EngineOptions& o) const {
@@ -493,6 +501,8 @@ void run_bench(const BenchFlags& f) {
   o.threads = f.model.threads;
   o.profile_ops = f.model.profile_ops;
   o.allreduce_path = f.model.allreduce_path;
+  o.pdl = f.model.pdl == "on";
+  o.decode_gemv = f.model.decode_gemv == "on";
   if (!f.batches.empty()) o.batches = parse_int_list(f.batches, "--batch");
   const bool cuda = o.device == "cuda";
   o.prompt_len = f.prompt_len.value_or(cuda ? 128 : 32);

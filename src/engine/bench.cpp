@@ -153,6 +153,8 @@ BenchReport run_bench(const BenchOptions& o) {
     eo.threads = o.threads;
     eo.profile_ops = o.profile_ops;
     eo.allreduce_path = o.allreduce_path;
+    eo.pdl = o.pdl;
+    eo.decode_gemv = o.decode_gemv;
     eo.shared_expert_fusion = s.shared_expert_fusion;
     eo.allreduce_fusion = s.allreduce_fusion;
     progress(fmt::format("[{}/{}] fusions {}: building the engine ({}) ...", done + 1, total, s.label(), report.model));

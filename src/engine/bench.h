@@ -43,6 +43,7 @@ struct BenchOptions {
   int threads = 0;
   bool profile_ops = false;             // EngineOptions::profile_ops (steps then run eagerly)
   std::string allreduce_path = "auto";  // EngineOptions::allreduce_path
+  bool pdl = true, decode_gemv = true;  // EngineOptions::pdl, decode_gemv
   std::vector<int> batches;             // empty: default_batches(device)
   int prompt_len = 32;
   int new_tokens = 32;  // G >= 3: G - 1 decode steps, G - 2 of them timed as TPOT

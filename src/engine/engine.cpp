@@ -92,6 +92,8 @@ class SpmdEngine final : public Engine {
     if (o.device == "cuda") {
       cuda::CudaBackendOptions co;
       co.ops.profile_ops = o.profile_ops;
+      co.ops.pdl = o.pdl;
+      co.ops.decode_gemv = o.decode_gemv;
       co.nccl.path = cuda::parse_allreduce_path(o.allreduce_path);
       co.nccl_at_tp1 = o.nccl_at_tp1;
       group_ = cuda::make_rank_group(config_, layout_, plan_, source, launch_, co);

@@ -62,9 +62,8 @@ void Model::attention(int l, Tensor h, int T, Tensor out) {
   const int nq = shard_.num_q_heads, nkv = shard_.num_kv_heads, hd = c_.head_dim;
   const RopeParams rope{hd, c_.rotary_dim, float(c_.rope_theta), c_.rms_norm_eps};
   Tensor q = ops_.alloc(T, nq * hd), k = ops_.alloc(T, nkv * hd), v = ops_.alloc(T, nkv * hd);
-  ops_.linear(h, a.q_proj, q);
-  ops_.linear(h, a.k_proj, k);
-  ops_.linear(h, a.v_proj, v);
+  // The projections of h run as one call (one launch at decode on the GPU).
+  std::vector<Projection> projections = {{a.q_proj, q}, {a.k_proj, k}, {a.v_proj, v}};
   // q, k and (sparse layers) the indexer's q and k are normed and rotated together, in one call.
   std::vector<HeadNormRope> rotate = {{q, nq, a.q_norm, rope}, {k, nkv, a.k_norm, rope}};
 
@@ -81,8 +80,8 @@ void Model::attention(int l, Tensor h, int T, Tensor out) {
     const RopeParams index_rope{ihd, c_.rotary_dim, float(c_.rope_theta), c_.rms_norm_eps};
     index_q = ops_.alloc(T, nih * ihd);
     index_k = ops_.alloc(T, ihd);
-    ops_.linear(h, a.index_q_proj, index_q);
-    ops_.linear(h, a.index_k_proj, index_k);
+    projections.push_back({a.index_q_proj, index_q});
+    projections.push_back({a.index_k_proj, index_k});
     rotate.push_back({index_q, nih, a.index_q_norm, index_rope});
     rotate.push_back({index_k, 1, a.index_k_norm, index_rope});
     p.num_index_heads = nih;
@@ -91,6 +90,7 @@ void Model::attention(int l, Tensor h, int T, Tensor out) {
     p.topk_blocks = c_.index_topk_blocks;
     p.local_blocks = c_.index_local_blocks;
   }
+  ops_.linears(h, projections);
   ops_.head_norm_rope(rotate);
   Tensor attn = ops_.alloc(T, nq * hd);
   ops_.attention(q, k, v, index_q, index_k, p, attn);

@@ -71,6 +71,12 @@ struct RopeParams {
   float eps = 0;  // of the per-head Gemma norm that precedes RoPE
 };
 
+// One projection of Ops::linears: out[T, N] = x[T, K] weight[N, K]^T.
+struct Projection {
+  Tensor weight;
+  Tensor out;
+};
+
 // One tensor for head_norm_rope: x[T, num_heads * rope.head_dim] in place, its per-head norm weight.
 struct HeadNormRope {
   Tensor x;
@@ -173,6 +179,11 @@ class Ops {
   virtual void add(Tensor x, Tensor y) = 0;
   // out[T, N] = x[T, K] w[N, K]^T
   virtual void linear(Tensor x, Tensor weight, Tensor out) = 0;
+  // linear(x, weight, out) for each item, all of one input (a layer's q, k, v and indexer
+  // projections): a backend may run them as one launch, with the same result.
+  virtual void linears(Tensor x, std::span<const Projection> items) {
+    for (const Projection& p : items) linear(x, p.weight, p.out);
+  }
   // In place on each x[T, heads * head_dim]: per-head Gemma norm with weight[head_dim], then NeoX
   // RoPE on the first rotary_dim channels at the step's positions. Several tensors in one call (a
   // layer's q, k and the indexer's q, k): a backend may do them in one launch.

@@ -1,4 +1,5 @@
-// Attention over the bf16 KV cache (SPEC §1.3-1.4), in up to four launches on one stream:
+// Attention over the bf16 KV cache (SPEC §1.3-1.4), in up to four launches on one stream, each with
+// PDL (kernel_utils.cuh):
 //
 // 1. cache_write_kernel, one block per token: copies the step's k, v rows (and index_k on sparse
 //    layers) into the cache row of (seq_slots[t], positions[t]) with 16-byte vectors. A launch of its
@@ -178,6 +179,8 @@ struct CacheWriteArgs {
 };
 
 __global__ void __launch_bounds__(kCacheWriteThreads) cache_write_kernel(const CacheWriteArgs a) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x;
   const size_t cache_row = PageMap::row(a.pages.slot_pages(a.seq_slots[t]), a.pages.shift, a.positions[t]);
   {
@@ -223,6 +226,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   __shared__ int kept_s[kMaxTopk];
   __shared__ int num_kept_s;
   __shared__ int done_s;
+  pdl_wait();
+  pdl_trigger();
 
   const int t = blockIdx.x, g = blockIdx.y;
   const int pos = a.positions[t], slot = a.seq_slots[t];
@@ -360,6 +365,8 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
   __shared__ int seg_start[kMaxTopk];    // first visible key of segment e
   __shared__ int seg_off[kMaxTopk + 1];  // visible keys before segment e (exclusive prefix sum)
   __shared__ int tile_pos[kTile];        // key position of tile slot r, -1: empty slot
+  pdl_wait();
+  pdl_trigger();
 
   const int t = blockIdx.x;
   const int kvh = blockIdx.y / a.head_chunks, head_chunk = blockIdx.y % a.head_chunks;
@@ -519,6 +526,8 @@ struct CombineArgs {
 
 // One block of head_dim threads per (token, q head); thread d owns output dim d.
 __global__ void attention_combine_kernel(const CombineArgs a) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x, qh = blockIdx.y, d = threadIdx.x;
   const size_t row = size_t(t) * a.num_q_heads + qh;
   const int ran = min(a.num_splits, a.positions[t] / a.chunk + 1);  // splits with s*chunk <= pos
@@ -545,8 +554,7 @@ template <int HD>
 void launch_split(const SplitArgs& args, int num_tokens, cudaStream_t stream) {
   const int warps = std::min(args.group, kMaxWarps);
   const dim3 grid(unsigned(num_tokens), unsigned(args.num_kv_heads * args.head_chunks), unsigned(args.num_splits));
-  attention_split_kernel<HD><<<grid, warps * kWarp, 0, stream>>>(args);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(attention_split_kernel<HD>, grid, dim3(unsigned(warps * kWarp)), 0, stream, true, args);
 }
 
 }  // namespace
@@ -641,8 +649,7 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     a.pages = pages;
     a.kv_row = p.num_kv_heads * p.head_dim;
     a.index_head_dim = sparse ? p.index_head_dim : 0;
-    cache_write_kernel<<<unsigned(T), kCacheWriteThreads, 0, stream>>>(a);
-    CUDA_CHECK_LAUNCH();
+    launch_pdl(cache_write_kernel, dim3(unsigned(T)), dim3(kCacheWriteThreads), 0, stream, true, a);
   }
 
   // 2. block selection
@@ -666,8 +673,8 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     a.block_size = p.block_size;
     a.topk = p.topk_blocks;
     a.local_blocks = p.local_blocks;
-    select_blocks_kernel<<<dim3(unsigned(T), unsigned(p.num_index_heads)), kSelectThreads, smem, stream>>>(a);
-    CUDA_CHECK_LAUNCH();
+    launch_pdl(select_blocks_kernel, dim3(unsigned(T), unsigned(p.num_index_heads)), dim3(kSelectThreads), smem, stream,
+               true, a);
   }
 
   // 3. split-KV attention (topk_blocks = 0 on a sparse layer: no kept blocks, zero segments)
@@ -712,8 +719,8 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     ca.head_dim = p.head_dim;
     ca.num_splits = plan.num_splits;
     ca.chunk = plan.chunk;
-    attention_combine_kernel<<<dim3(unsigned(T), unsigned(p.num_q_heads)), unsigned(p.head_dim), 0, stream>>>(ca);
-    CUDA_CHECK_LAUNCH();
+    launch_pdl(attention_combine_kernel, dim3(unsigned(T), unsigned(p.num_q_heads)), dim3(unsigned(p.head_dim)), 0,
+               stream, true, ca);
   }
 }
 

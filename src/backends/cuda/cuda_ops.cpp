@@ -6,8 +6,10 @@
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/elementwise.cuh"
+#include "backends/cuda/gemv.cuh"
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
+#include "backends/cuda/pdl.h"
 #include "backends/cuda/sampling.cuh"
 #include "core/error.h"
 #include "model/model.h"
@@ -84,7 +86,8 @@ CudaReserve CudaReserve::for_budget(const ModelConfig& config, const FusionPlan&
 }
 
 CudaOps::CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options)
-    : reserve_(reserve), profile_ops_(options.profile_ops) {
+    : reserve_(reserve), profile_ops_(options.profile_ops), decode_gemv_(options.decode_gemv) {
+  set_programmatic_launch(options.pdl);
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), reserve.arena_bytes));
   if (reserve.moe_workspace_bytes) CUDA_CHECK(cudaMalloc(&moe_workspace_, reserve.moe_workspace_bytes));
@@ -313,9 +316,38 @@ void CudaOps::add(Tensor x, Tensor y) {
   launch_add_bf16(bf16(x), bf16_mut(y), y.numel(), stream_);
 }
 
+bool CudaOps::gemv(Tensor x, std::span<const Projection> items) {
+  if (!decode_gemv_ || x.dim(0) > kGemvMaxM || items.size() > size_t(kMaxGemvOutputs)) return false;
+  GemvParams p;
+  p.x = bf16(x);
+  p.M = int(x.dim(0));
+  p.K = int(x.dim(1));
+  for (const Projection& it : items) {
+    const bool fp8 = it.weight.dtype == DType::kF8E4M3;
+    if (!fp8 && it.weight.dtype != DType::kBF16) return false;
+    TPMOE_CHECK(it.weight.dim(1) == x.dim(1) && it.out.dim(0) == x.dim(0) && it.out.dim(1) == it.weight.dim(0),
+                "linear: x [{}, {}], weight [{}, {}], out [{}, {}] do not fit", x.dim(0), x.dim(1), it.weight.dim(0),
+                it.weight.dim(1), it.out.dim(0), it.out.dim(1));
+    p.outputs[p.count++] = {it.weight.data, fp8 ? static_cast<const uint8_t*>(it.weight.scale) : nullptr, it.out.data,
+                            it.out.dtype == DType::kF32, int(it.weight.dim(0))};
+  }
+  if (!gemv_fits(p)) return false;
+  launch_gemv(p, stream_);
+  return true;
+}
+
+void CudaOps::linears(Tensor x, std::span<const Projection> items) {
+  const auto timer = timed(fmt::format("linears x{}", items.size()));
+  expect(x, DType::kBF16, "linear input");
+  if (gemv(x, items)) return;
+  for (const Projection& it : items) linear(x, it.weight, it.out);
+}
+
 void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
   const auto timer = timed(fmt::format("linear {}x{} -> {}", weight.dim(0), weight.dim(1), dtype_name(out.dtype)));
   expect(x, DType::kBF16, "linear input");
+  const Projection one{weight, out};
+  if (gemv(x, {&one, 1})) return;
   if (weight.dtype == DType::kF8E4M3) {  // MXFP8: weight-only FP8 (moe.cuh)
     launch_fp8_linear({bf16(x), weight.as<uint8_t>(), static_cast<const uint8_t*>(weight.scale), out.data,
                        out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)), int(x.dim(1))},

@@ -39,6 +39,11 @@ struct CudaOpsOptions {
   // Per-op GPU time, for finding where a step goes (--profile-ops). Steps then run eagerly (no
   // graph) and the totals per op are printed to stderr when the ops are destroyed.
   bool profile_ops = false;
+  // Programmatic dependent launch between the kernels of a step (kernel_utils.cuh); process-wide.
+  bool pdl = true;
+  // Linears of <= 8 tokens on the weight-streaming GEMV (gemv.cuh), which also runs several
+  // projections of one input as one launch; false: one cuBLASLt matmul each (for comparison).
+  bool decode_gemv = true;
 };
 
 class CudaOps final : public Ops {
@@ -66,6 +71,7 @@ class CudaOps final : public Ops {
   void add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) override;
   void add(Tensor x, Tensor y) override;
   void linear(Tensor x, Tensor weight, Tensor out) override;
+  void linears(Tensor x, std::span<const Projection> items) override;
   void head_norm_rope(std::span<const HeadNormRope> items) override;
   void attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
                  Tensor out) override;
@@ -132,6 +138,8 @@ class CudaOps final : public Ops {
   OpTimer timed(std::string name) { return OpTimer(*this, std::move(name)); }
   void collect_op_times();  // after a sync: fold finished event pairs into the totals
   bool profile_ops_ = false;
+  bool decode_gemv_ = true;
+  bool gemv(Tensor x, std::span<const Projection> items);  // false: the GEMV does not take them
   struct PendingTime {
     std::string name;
     cudaEvent_t start, stop;

@@ -13,7 +13,8 @@
 // Vectorised paths move 16 bytes per thread (8 bf16 / 4 fp32) when widths allow it and the pointers
 // are 16-byte aligned; a scalar path covers every other width. Elementwise kernels are grid-stride
 // loops over int64 indices with the grid capped at kMaxBlocks, so the grid depends only on the
-// sizes (graph-capturable); no sync, no allocation.
+// sizes (graph-capturable); no sync, no allocation. All but fill_random (weights, before any step)
+// launch with PDL (kernel_utils.cuh).
 #include "backends/cuda/elementwise.cuh"
 
 #include "backends/cuda/kernel_utils.cuh"
@@ -44,6 +45,8 @@ __device__ __forceinline__ int64_t grid_stride() { return int64_t(gridDim.x) * b
 // One item = 8 columns (kVec) or 1 column of one token's row.
 template <bool kVec>
 __global__ void embed_kernel(EmbedParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t per_row = kVec ? p.hidden / 8 : p.hidden;
   const int64_t total = int64_t(p.num_tokens) * per_row;
   for (int64_t idx = global_thread(); idx < total; idx += grid_stride()) {
@@ -71,6 +74,8 @@ __global__ void embed_kernel(EmbedParams p) {
 
 template <bool kVec>
 __global__ void add_bf16_kernel(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n) {
+  pdl_wait();
+  pdl_trigger();
   if constexpr (kVec) {
     for (int64_t c = global_thread(); c < n / 8; c += grid_stride()) {
       float a[8], b[8];
@@ -90,6 +95,8 @@ __global__ void add_bf16_kernel(const __nv_bfloat16* x, __nv_bfloat16* y, int64_
 
 template <bool kVec>
 __global__ void swiglu_kernel(SwigluKernelParams p) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t n = p.n;
   const int64_t per_row = kVec ? n / 8 : n;
   const int64_t total = int64_t(p.rows) * per_row;
@@ -116,6 +123,8 @@ __global__ void swiglu_kernel(SwigluKernelParams p) {
 template <bool kVec>
 __global__ void gather_rows_kernel(const __nv_bfloat16* __restrict__ x, const int32_t* __restrict__ rows, int num_rows,
                                    int cols, __nv_bfloat16* __restrict__ out) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t per_row = kVec ? cols / 8 : cols;
   const int64_t total = int64_t(num_rows) * per_row;
   for (int64_t idx = global_thread(); idx < total; idx += grid_stride()) {
@@ -181,6 +190,8 @@ __device__ __forceinline__ Best block_best(Best best) {
 template <bool kVec>
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_chunk_kernel(const float* __restrict__ logits, int vocab, Best* __restrict__ partial) {
+  pdl_wait();
+  pdl_trigger();
   const float* row = logits + int64_t(blockIdx.y) * vocab;
   const int begin = blockIdx.x * kArgmaxChunk, end = min(vocab, begin + kArgmaxChunk);
   Best best{-__int_as_float(0x7f800000), INT32_MAX};
@@ -204,6 +215,8 @@ __global__ void __launch_bounds__(kArgmaxThreads)
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_finish_kernel(const Best* __restrict__ partial, int chunks, int vocab, int32_t* __restrict__ ids,
                          float* __restrict__ values) {
+  pdl_wait();
+  pdl_trigger();
   Best best{-__int_as_float(0x7f800000), INT32_MAX};
   for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
     const Best b = partial[int64_t(blockIdx.x) * chunks + c];
@@ -251,22 +264,15 @@ void launch_embed(const EmbedParams& p, cudaStream_t stream) {
   check_arg(p.table && p.token_ids && p.out, "embed: table, token_ids and out must be set");
   const bool vec = p.hidden % 8 == 0 && aligned16(p.table) && aligned16(p.out);
   const int64_t items = int64_t(p.num_tokens) * (vec ? p.hidden / 8 : p.hidden);
-  if (vec)
-    embed_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(p);
-  else
-    embed_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(vec ? embed_kernel<true> : embed_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0, stream, true, p);
 }
 
 void launch_add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream) {
   if (n <= 0) return;
   check_arg(x && y, "add_bf16: x and y must be set");
   const bool vec = n % 8 == 0 && aligned16(x) && aligned16(y);
-  if (vec)
-    add_bf16_kernel<true><<<grid_for(n / 8), kThreads, 0, stream>>>(x, y, n);
-  else
-    add_bf16_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(x, y, n);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(vec ? add_bf16_kernel<true> : add_bf16_kernel<false>, dim3(grid_for(vec ? n / 8 : n)), dim3(kThreads), 0,
+             stream, true, x, y, n);
 }
 
 void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream) {
@@ -275,11 +281,8 @@ void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream) {
   // Row starts are 16-byte aligned when n % 8 == 0 (gate_up rows are 4n bytes, out rows 2n).
   const bool vec = p.n % 8 == 0 && aligned16(p.gate_up) && aligned16(p.out);
   const int64_t items = int64_t(p.rows) * (vec ? p.n / 8 : p.n);
-  if (vec)
-    swiglu_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(p);
-  else
-    swiglu_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(vec ? swiglu_kernel<true> : swiglu_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0, stream, true,
+             p);
 }
 
 void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_rows, int cols, __nv_bfloat16* out,
@@ -288,11 +291,8 @@ void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_row
   check_arg(x && rows && out, "gather_rows: x, rows and out must be set");
   const bool vec = cols % 8 == 0 && aligned16(x) && aligned16(out);
   const int64_t items = int64_t(num_rows) * (vec ? cols / 8 : cols);
-  if (vec)
-    gather_rows_kernel<true><<<grid_for(items), kThreads, 0, stream>>>(x, rows, num_rows, cols, out);
-  else
-    gather_rows_kernel<false><<<grid_for(items), kThreads, 0, stream>>>(x, rows, num_rows, cols, out);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(vec ? gather_rows_kernel<true> : gather_rows_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0,
+             stream, true, x, rows, num_rows, cols, out);
 }
 
 size_t argmax_workspace_bytes(int rows, int vocab) {
@@ -309,13 +309,11 @@ void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, float
   check_arg(rows <= 65535, "argmax: at most 65535 rows");
   Best* partial = static_cast<Best*>(workspace);
   const dim3 grid{unsigned(chunks), unsigned(rows)};
-  if (vocab % 4 == 0 && aligned16(logits))
-    argmax_chunk_kernel<true><<<grid, kArgmaxThreads, 0, stream>>>(logits, vocab, partial);
-  else
-    argmax_chunk_kernel<false><<<grid, kArgmaxThreads, 0, stream>>>(logits, vocab, partial);
-  CUDA_CHECK_LAUNCH();
-  argmax_finish_kernel<<<rows, kArgmaxThreads, 0, stream>>>(partial, chunks, vocab, ids, values);
-  CUDA_CHECK_LAUNCH();
+  const bool vec = vocab % 4 == 0 && aligned16(logits);
+  launch_pdl(vec ? argmax_chunk_kernel<true> : argmax_chunk_kernel<false>, grid, dim3(kArgmaxThreads), 0, stream, true,
+             logits, vocab, partial);
+  launch_pdl(argmax_finish_kernel, dim3(unsigned(rows)), dim3(kArgmaxThreads), 0, stream, true,
+             static_cast<const Best*>(partial), chunks, vocab, ids, values);
 }
 
 void launch_fill_random(const FillRandomParams& p, cudaStream_t stream) {

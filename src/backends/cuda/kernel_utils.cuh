@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <source_location>
 #include <string>
+#include <utility>
 
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/pdl.h"
 
 namespace tpmoe::cuda {
 
@@ -23,6 +25,35 @@ inline void check_arg(bool ok, const std::string& what,
 }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Programmatic dependent launch (PDL). A decode step is a chain of small kernels, and without PDL
+// each one pays its launch (grid setup, CTA dispatch) after the previous has drained. A kernel
+// launched by launch_pdl may instead start while its predecessor in the stream still runs. The
+// contract, for every kernel launched that way: call pdl_wait() in every thread, on every path,
+// before reading anything an earlier kernel wrote or writing anything (only reads of weights - an
+// L2 prefetch - may go before it), then pdl_trigger(), which lets the successor launch. Since every
+// kernel waits before it triggers, the kernel two back is complete whenever one starts. Both are
+// no-ops for a kernel launched without the attribute.
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
+__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+
+// Launches `kernel` with the programmatic-stream-serialization attribute when `pdl` is set and PDL is
+// on (pdl.h), a plain launch otherwise; the kernel must keep the pdl_wait contract above either way.
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
+                Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl && programmatic_launch() ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

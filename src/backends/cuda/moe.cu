@@ -66,7 +66,9 @@
 // version (bm = 32 always, 16 j per gate_up CTA, no PDL): T=1 0.215 ms = 2.6 TB/s of weights.
 #include "backends/cuda/moe.cuh"
 
+#include "backends/cuda/gemv.cuh"
 #include "backends/cuda/kernel_utils.cuh"
+#include "backends/cuda/weight_loads.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -91,9 +93,8 @@ constexpr int kRouteWarps = 4;
 constexpr int kRouteMaxPerLane = 8;  // E <= 256
 
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const RouteKernelParams p) {
-  // The next kernel (launch_moe's align, launched with programmatic serialization) may start; it
-  // waits for this grid before it reads the slots.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  pdl_wait();
+  pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
   if (t >= p.num_tokens) return;
@@ -211,13 +212,8 @@ WorkspaceLayout workspace_layout(int64_t tokens, int slots, int hidden, int inte
   return l;
 }
 
-// Programmatic dependent launch. Every kernel of launch_moe waits for its predecessor grid (complete,
-// memory visible) before it reads anything the predecessor wrote or writes anything, and only then
-// lets its own dependents launch; so when a kernel starts, the kernel two back is complete (the down
-// GEMM relies on that to read the block table before its wait). Both are no-ops without the launch
-// attribute.
-__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
-__device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
+// Programmatic dependent launch: the kernels of launch_moe keep kernel_utils.cuh's pdl_wait contract
+// (the down GEMM relies on the kernel two back being complete to read the block table before its wait).
 
 // ----------------------------------------------------------------------------------------------
 // 1. Alignment: pairs binned by physical expert row
@@ -407,22 +403,6 @@ struct GemmParams {
   float limit = 7.0f;
 };
 
-// Weights are read once: no L1 allocation, and a 256-byte L2 fetch (the next chunks of the row).
-__device__ __forceinline__ uint4 ld_weight16(const uint16_t* ptr) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(ptr));
-  return v;
-}
-
-// 8 e4m3 weights (K % 32 == 0 is required for MXFP8, so a live chunk is always whole).
-__device__ __forceinline__ uint2 ld_weight8(const uint8_t* ptr) {
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
-  return v;
-}
-
 // The E8M0 scales of chunks [c, c + 4) of one weight row, byte j = chunk c + j (127, i.e. 1.0, past
 // the row's end: those chunks are never multiplied).
 __device__ __forceinline__ uint32_t load_scale4(const uint8_t* row, int c, int num_chunks, bool vec) {
@@ -431,38 +411,6 @@ __device__ __forceinline__ uint32_t load_scale4(const uint8_t* row, int c, int n
 #pragma unroll
   for (int j = 0; j < 4; ++j) v |= uint32_t(c + j < num_chunks ? __ldg(row + c + j) : 127) << (8 * j);
   return v;
-}
-
-// 8 e4m3 values (byte j = element j) times 2^(s - 127) as 8 bf16 (element pairs packed low, high),
-// exactly (an e4m3 value times a power of two fits a bf16 unless it underflows bf16's range).
-// Each byte's sign, exponent and mantissa bits go to the matching bf16 bits with no exponent
-// re-bias: that bf16 is the e4m3 value times 2^-120, subnormals included (bf16 arithmetic keeps
-// subnormals), and one bf16 multiply by 2^(s - 7) = 2^120 * 2^(s - 127) both re-biases and scales.
-// 2^(s - 7) is a bf16 for s <= 134; larger scales take two multiplies.
-__device__ __forceinline__ uint4 dequant_e4m3x8(uint2 raw, uint32_t s) {
-  const bool one_step = s <= 134;
-  const uint32_t m1_bits = one_step ? (s + 120) << 7 : 247u << 7;  // 2^(s-7), or 2^120
-  const uint32_t m2_bits = s << 7;                                 // 2^(s-127) (s >= 135 here)
-  const __nv_bfloat162 m1 =
-      __halves2bfloat162(__ushort_as_bfloat16(uint16_t(m1_bits)), __ushort_as_bfloat16(uint16_t(m1_bits)));
-  const __nv_bfloat162 m2 =
-      __halves2bfloat162(__ushort_as_bfloat16(uint16_t(m2_bits)), __ushort_as_bfloat16(uint16_t(m2_bits)));
-  uint32_t out[4];
-  const uint32_t words[2] = {raw.x, raw.y};
-#pragma unroll
-  for (int w = 0; w < 2; ++w) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      // Bytes 2*half and 2*half+1 of the word into the high byte of each 16-bit lane.
-      const uint32_t t = __byte_perm(words[w], 0u, half ? 0x3424u : 0x1404u);
-      const uint32_t bits = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
-      __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-      v = __hmul2(v, m1);
-      if (!one_step) v = __hmul2(v, m2);
-      out[2 * w + half] = *reinterpret_cast<const uint32_t*>(&v);
-    }
-  }
-  return make_uint4(out[0], out[1], out[2], out[3]);
 }
 
 __device__ __forceinline__ uint4 load8_masked(const uint16_t* row, int k, int K) {
@@ -767,29 +715,12 @@ __global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t n, fl
     out[i] = f32_to_bf16_bits(in[i] * scale);
 }
 
-// cudaLaunchKernelEx with the programmatic-stream-serialization attribute when pdl is set.
-template <class... KArgs, class... Args>
-void launch_k(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-              Args&&... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
-}
-
 template <bool kGateUp>
 void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, cudaStream_t stream, bool pdl) {
   auto go = [&](auto kernel, int rows_per) {
     const dim3 grid(blocks, unsigned((rows_total + rows_per - 1) / rows_per));
     check_arg(grid.y <= 65535, "launch_moe: inter or hidden too large for the grid");
-    launch_k(kernel, grid, dim3(kGemmThreads), 0, stream, pdl, gp);
+    launch_pdl(kernel, grid, dim3(kGemmThreads), 0, stream, pdl, gp);
   };
   const bool fp8 = gp.w_scale != nullptr;
   if (nt == 1)
@@ -823,8 +754,7 @@ void launch_route(const RouteKernelParams& p, cudaStream_t stream) {
   check_arg(!p.routed_flags || p.num_real_tokens, "launch_route: routed_flags need num_real_tokens");
   if (p.num_tokens == 0) return;
   const int blocks = (p.num_tokens + kRouteWarps - 1) / kRouteWarps;
-  route_kernel<<<blocks, kRouteWarps * 32, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(route_kernel, dim3(unsigned(blocks)), dim3(kRouteWarps * 32), 0, stream, true, p);
 }
 
 size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int num_rows) {
@@ -881,8 +811,8 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   ap.pairs = pairs;
   ap.num_rows = p.num_rows;
   ap.block_m = block_m;
-  launch_k(moe_align_kernel, dim3(1), dim3(kAlignThreads), size_t(2) * p.num_rows * sizeof(int32_t), stream, tune.pdl,
-           ap);
+  launch_pdl(moe_align_kernel, dim3(1), dim3(kAlignThreads), size_t(2) * p.num_rows * sizeof(int32_t), stream, tune.pdl,
+             ap);
 
   GemmParams gp;
   gp.perm = perm;
@@ -934,139 +864,22 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   cp.scale = p.scale;
   const unsigned chunks = unsigned((p.hidden + kCombineThreads * kCombineVec - 1) / (kCombineThreads * kCombineVec));
   check_arg(chunks <= 65535, "launch_moe: hidden too large for the combine grid");
-  launch_k(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, stream, tune.pdl, cp);
+  launch_pdl(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, stream, tune.pdl, cp);
 }
-
-namespace {
-
-// ---------------------------------------------------------------------------------------------
-// MXFP8 GEMV for decode-sized M (launch_fp8_linear with M <= kGemvMaxM): the weight stream is the
-// whole cost, so each warp streams whole weight rows with 16-byte loads (16 e4m3 = half a scale
-// block per lane; a warp covers 512 k per pass) while the activations sit in shared memory as bf16
-// ([M][K], loaded once per block). Widened exactly as the grouped GEMM does (dequant_e4m3x8),
-// products and sums in fp32, one warp reduction per output. kGemvRowsPerWarp rows per warp and a
-// 2-deep unroll over k keep four 16-byte loads in flight per lane.
-constexpr int kGemvMaxM = 8;
-constexpr int kGemvWarps = 8;
-constexpr int kGemvRowsPerWarp = 2;
-constexpr int kGemvKPerPass = kWarp * 16;
-
-template <int M>
-__global__ void __launch_bounds__(kGemvWarps* kWarp)
-    fp8_gemv_kernel(const uint16_t* __restrict__ x, const uint8_t* __restrict__ w, const uint8_t* __restrict__ w_scale,
-                    void* out, bool out_f32, int N, int K) {
-  extern __shared__ __align__(16) unsigned char gemv_smem[];
-  uint16_t* xs = reinterpret_cast<uint16_t*>(gemv_smem);  // [M][K] bf16 bits
-  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
-  for (int i = tid; i < M * K / 8; i += blockDim.x)
-    reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(x)[i];
-  __syncthreads();
-
-  const int row0 = (blockIdx.x * kGemvWarps + warp) * kGemvRowsPerWarp;
-  float acc[kGemvRowsPerWarp][M];
-#pragma unroll
-  for (int r = 0; r < kGemvRowsPerWarp; ++r)
-#pragma unroll
-    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
-
-  for (int k0 = lane * 16; k0 < K; k0 += 2 * kGemvKPerPass) {
-    uint4 raw[2][kGemvRowsPerWarp];
-    uint32_t scale[2][kGemvRowsPerWarp];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int k = k0 + u * kGemvKPerPass;
-#pragma unroll
-      for (int r = 0; r < kGemvRowsPerWarp; ++r) {
-        const int n = row0 + r;
-        const bool live = k < K && n < N;
-        raw[u][r] =
-            live ? ld_weight16(reinterpret_cast<const uint16_t*>(w + size_t(n) * K + k)) : make_uint4(0, 0, 0, 0);
-        scale[u][r] = live ? __ldg(w_scale + size_t(n) * (K / 32) + k / 32) : 127u;
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int k = k0 + u * kGemvKPerPass;
-      if (k >= K) break;
-#pragma unroll
-      for (int r = 0; r < kGemvRowsPerWarp; ++r) {
-        const uint4 lo = dequant_e4m3x8(make_uint2(raw[u][r].x, raw[u][r].y), scale[u][r]);
-        const uint4 hi = dequant_e4m3x8(make_uint2(raw[u][r].z, raw[u][r].w), scale[u][r]);
-        const uint32_t wv[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const uint4* xv = reinterpret_cast<const uint4*>(xs + size_t(m) * K + k);
-          const uint4 x0 = xv[0], x1 = xv[1];
-          const uint32_t xw[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
-          float a = acc[r][m];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv[j]));
-            const float2 xf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xw[j]));
-            a = fmaf(wf.x, xf.x, a);
-            a = fmaf(wf.y, xf.y, a);
-          }
-          acc[r][m] = a;
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < kGemvRowsPerWarp; ++r) {
-    const int n = row0 + r;
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float v = warp_sum(acc[r][m]);
-      if (lane == 0 && n < N) {
-        if (out_f32)
-          static_cast<float*>(out)[size_t(m) * N + n] = v;
-        else
-          static_cast<__nv_bfloat16*>(out)[size_t(m) * N + n] = __float2bfloat16(v);
-      }
-    }
-  }
-}
-
-template <int M>
-void launch_fp8_gemv_m(const Fp8LinearParams& p, cudaStream_t stream) {
-  const size_t smem = size_t(M) * p.K * sizeof(uint16_t);
-  if (smem > 48 * 1024)
-    CUDA_CHECK(cudaFuncSetAttribute(fp8_gemv_kernel<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const int rows_per_block = kGemvWarps * kGemvRowsPerWarp;
-  const unsigned blocks = unsigned((p.N + rows_per_block - 1) / rows_per_block);
-  fp8_gemv_kernel<M><<<blocks, kGemvWarps * kWarp, smem, stream>>>(reinterpret_cast<const uint16_t*>(p.x), p.w,
-                                                                   p.w_scale, p.out, p.out_f32, p.N, p.K);
-  CUDA_CHECK_LAUNCH();
-}
-
-// The GEMV serves M <= 8 when its operands allow 16-byte loads and the activations fit shared memory.
-bool fp8_gemv_fits(const Fp8LinearParams& p) {
-  return p.M >= 1 && p.M <= kGemvMaxM && p.K % 16 == 0 && aligned16(p.x) && aligned16(p.w) &&
-         size_t(p.M) * p.K * sizeof(uint16_t) <= 200 * 1024;
-}
-
-void launch_fp8_gemv(const Fp8LinearParams& p, cudaStream_t stream) {
-  switch (p.M) {
-    case 1: launch_fp8_gemv_m<1>(p, stream); break;
-    case 2: launch_fp8_gemv_m<2>(p, stream); break;
-    case 3: launch_fp8_gemv_m<3>(p, stream); break;
-    case 4: launch_fp8_gemv_m<4>(p, stream); break;
-    case 5: launch_fp8_gemv_m<5>(p, stream); break;
-    case 6: launch_fp8_gemv_m<6>(p, stream); break;
-    case 7: launch_fp8_gemv_m<7>(p, stream); break;
-    default: launch_fp8_gemv_m<8>(p, stream); break;
-  }
-}
-
-}  // namespace
 
 void launch_fp8_linear(const Fp8LinearParams& p, cudaStream_t stream) {
   check_arg(p.M >= 0 && p.N >= 1 && p.K >= 1, "launch_fp8_linear: need M >= 0, N >= 1, K >= 1");
   check_fp8_operands(p.w, p.w_scale, p.K, "launch_fp8_linear");
   check_arg(p.out != static_cast<const void*>(p.x), "launch_fp8_linear: out must not alias x");
   if (p.M == 0) return;
-  if (fp8_gemv_fits(p)) {
-    launch_fp8_gemv(p, stream);
+  GemvParams gemv;  // decode-sized M: the weight-streaming GEMV
+  gemv.x = p.x;
+  gemv.M = p.M;
+  gemv.K = p.K;
+  gemv.outputs[0] = {p.w, p.w_scale, p.out, p.out_f32, p.N};
+  gemv.count = 1;
+  if (gemv_fits(gemv)) {
+    launch_gemv(gemv, stream);
     return;
   }
   // The token block as launch_moe picks it for the same number of (token, expert) pairs.

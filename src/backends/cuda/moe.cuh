@@ -77,8 +77,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream);
 // consecutive k: the same grouped-GEMM kernel as the MoE down projection, run as one expert that
 // every token is routed to in order (no routing, no slot weights). FP8 stays in memory and is widened
 // to bf16 in registers; bf16 mma, fp32 accumulation, bf16 or fp32 out. Decode reads N*K*(1 + 1/32)
-// bytes of weights once. K % 32 == 0; any M, N. Decode-sized M (<= 8) runs a GEMV instead that
-// streams the weight rows at 16 bytes a lane with the activations in shared memory.
+// bytes of weights once. K % 32 == 0; any M, N. Decode-sized M (<= 8) runs the GEMV of gemv.cuh.
 struct Fp8LinearParams {
   const __nv_bfloat16* x = nullptr;  // [M, K]
   const uint8_t* w = nullptr;        // [N, K] e4m3

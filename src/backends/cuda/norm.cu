@@ -15,7 +15,7 @@
 //   the CPU oracle computes it, once per block into shared memory; cos/sin by sincosf (full-range accurate, not __sinf:
 //   angles reach pos * 1 rad, far outside the fast intrinsics' range). Bytes: 2 x T*heads*hd*2.
 // Layouts: row-major, rows contiguous. Grids depend only on the sizes (graph-capturable); no sync,
-// no allocation.
+// no allocation. Both launch with PDL (kernel_utils.cuh).
 #include "backends/cuda/norm.cuh"
 
 #include "backends/cuda/kernel_utils.cuh"
@@ -43,6 +43,8 @@ __global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNorm
   float* res = p.residual + row * H;
   const __nv_bfloat16* part = p.partial ? p.partial + row * H : nullptr;
   __nv_bfloat16* out = p.out + row * H;
+  pdl_wait();
+  pdl_trigger();
 
   float ss = 0.f;
   if constexpr (kVec) {
@@ -109,6 +111,8 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kern
   __shared__ float inv_freq[kMaxHeadDim / 2];
   for (int i = threadIdx.x; i < half; i += blockDim.x) inv_freq[i] = float(pow(double(p.theta), -2.0 * i / rd));
   __syncthreads();
+  pdl_wait();  // the frequencies above overlap the previous kernel's tail
+  pdl_trigger();
 
   // token * heads + h
   const int64_t head = (int64_t(blockIdx.x) - batch.block_begin[item]) * kRopeWarpsPerBlock + threadIdx.x / kWarp;
@@ -170,11 +174,8 @@ void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream) {
   const int units = vec ? p.hidden / 8 : p.hidden;  // work items per row
   int threads = (units + kWarp - 1) / kWarp * kWarp;
   threads = threads < kMaxNormThreads ? threads : kMaxNormThreads;
-  if (vec)
-    add_rmsnorm_kernel<true><<<p.rows, threads, 0, stream>>>(p);
-  else
-    add_rmsnorm_kernel<false><<<p.rows, threads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(vec ? add_rmsnorm_kernel<true> : add_rmsnorm_kernel<false>, dim3(unsigned(p.rows)),
+             dim3(unsigned(threads)), 0, stream, true, p);
 }
 
 void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream) {
@@ -200,8 +201,7 @@ void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cud
   if (batch.count == 0) return;
   const int64_t blocks = batch.block_begin[batch.count];
   check_arg(blocks <= 0x7fffffff, "head_norm_rope: too many (token, head) pairs for one launch");
-  head_norm_rope_kernel<<<unsigned(blocks), kRopeWarpsPerBlock * kWarp, 0, stream>>>(batch);
-  CUDA_CHECK_LAUNCH();
+  launch_pdl(head_norm_rope_kernel, dim3(unsigned(blocks)), dim3(kRopeWarpsPerBlock * kWarp), 0, stream, true, batch);
 }
 
 }  // namespace tpmoe::cuda

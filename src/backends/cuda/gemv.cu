@@ -1,0 +1,202 @@
+// The decode GEMV (gemv.cuh). Grid: one block per kRowsPerBlock weight rows of one output, the
+// outputs' blocks laid end to end (block_begin); each warp owns kRowsPerWarp rows and walks them
+// over k, a lane reading 16 bytes (8 bf16 or 16 e4m3) per row per load, kUnroll loads per row in
+// flight, the next ones issued before the current ones are multiplied. The activations [M][K] are
+// copied into shared memory once per block after the PDL wait; the first weight loads go before it.
+// Sums: each lane accumulates its k chunks in order, then one warp reduction per (row, token).
+#include "backends/cuda/gemv.cuh"
+
+#include "backends/cuda/kernel_utils.cuh"
+#include "backends/cuda/weight_loads.cuh"
+
+#include <string>
+
+#include "backends/cuda/cuda_check.h"
+
+namespace tpmoe::cuda {
+
+namespace {
+
+constexpr int kGemvWarps = 4;
+constexpr int kRowsPerWarp = 2;
+constexpr int kRowsPerBlock = kGemvWarps * kRowsPerWarp;
+constexpr int kUnroll = 2;
+constexpr size_t kMaxActivationBytes = 200 * 1024;  // x in shared memory (227 KiB per block on Hopper)
+
+struct GemvBatch {
+  const uint16_t* x = nullptr;  // bf16 bits [M][K]
+  int K = 0;
+  GemvOutput outputs[kMaxGemvOutputs];
+  int block_begin[kMaxGemvOutputs + 1] = {};
+  int count = 0;
+};
+
+// acc + w . x over 8 bf16 pairs, in k order, fp32.
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+  const uint32_t wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv[j]));
+    const float2 xf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv[j]));
+    acc = fmaf(wf.x, xf.x, acc);
+    acc = fmaf(wf.y, xf.y, acc);
+  }
+  return acc;
+}
+
+template <int M, bool kFp8>
+__global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch b) {
+  constexpr int kPerLoad = kFp8 ? 16 : 8;  // k per 16-byte weight load
+  constexpr int kPass = kWarp * kPerLoad;  // k per warp and load
+  constexpr int kBytesPerK = kFp8 ? 1 : 2;
+  extern __shared__ __align__(16) unsigned char gemv_smem[];
+  uint16_t* xs = reinterpret_cast<uint16_t*>(gemv_smem);  // [M][K] bf16 bits
+
+  int o = 0;
+  while (o + 1 < b.count && int(blockIdx.x) >= b.block_begin[o + 1]) ++o;
+  const GemvOutput& g = b.outputs[o];
+  const int K = b.K, N = g.N;
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int row0 = (int(blockIdx.x) - b.block_begin[o]) * kRowsPerBlock + warp * kRowsPerWarp;
+  const uint8_t* w = static_cast<const uint8_t*>(g.w);
+
+  uint4 raw[kUnroll][kRowsPerWarp];
+  uint32_t scale[kUnroll][kRowsPerWarp];
+  auto load = [&](int k0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = k0 + u * kPass;
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        const int n = row0 + r;
+        const bool live = k < K && n < N;
+        const uint8_t* at = w + (size_t(n) * K + k) * kBytesPerK;
+        raw[u][r] = live ? ld_weight16(reinterpret_cast<const uint16_t*>(at)) : make_uint4(0, 0, 0, 0);
+        if constexpr (kFp8) scale[u][r] = live ? __ldg(g.w_scale + size_t(n) * (K / 32) + k / 32) : 127u;
+      }
+    }
+  };
+  int k0 = lane * kPerLoad;
+  load(k0);  // weights never depend on the previous kernel: these loads overlap its tail
+
+  pdl_wait();
+  pdl_trigger();
+  for (int i = tid; i < M * K / 8; i += blockDim.x)
+    reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(b.x)[i];
+  __syncthreads();
+
+  float acc[kRowsPerWarp][M];
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+
+  for (; k0 < K; k0 += kUnroll * kPass) {
+    uint4 cur[kUnroll][kRowsPerWarp];
+    uint32_t cur_scale[kUnroll][kRowsPerWarp];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        cur[u][r] = raw[u][r];
+        cur_scale[u][r] = kFp8 ? scale[u][r] : 0u;
+      }
+    load(k0 + kUnroll * kPass);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int k = k0 + u * kPass;
+      if (k >= K) break;
+#pragma unroll
+      for (int r = 0; r < kRowsPerWarp; ++r) {
+        if constexpr (kFp8) {
+          const uint4 lo = dequant_e4m3x8(make_uint2(cur[u][r].x, cur[u][r].y), cur_scale[u][r]);
+          const uint4 hi = dequant_e4m3x8(make_uint2(cur[u][r].z, cur[u][r].w), cur_scale[u][r]);
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            const uint4* xv = reinterpret_cast<const uint4*>(xs + size_t(m) * K + k);
+            acc[r][m] = dot8(hi, xv[1], dot8(lo, xv[0], acc[r][m]));
+          }
+        } else {
+#pragma unroll
+          for (int m = 0; m < M; ++m)
+            acc[r][m] = dot8(cur[u][r], *reinterpret_cast<const uint4*>(xs + size_t(m) * K + k), acc[r][m]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r) {
+    const int n = row0 + r;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float v = warp_sum(acc[r][m]);
+      if (lane == 0 && n < N) {
+        if (g.out_f32)
+          static_cast<float*>(g.out)[size_t(m) * N + n] = v;
+        else
+          static_cast<__nv_bfloat16*>(g.out)[size_t(m) * N + n] = __float2bfloat16(v);
+      }
+    }
+  }
+}
+
+template <int M, bool kFp8>
+void launch_m(const GemvBatch& b, size_t smem, cudaStream_t stream) {
+  auto kernel = gemv_kernel<M, kFp8>;
+  if (smem > 48 * 1024)
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  launch_pdl(kernel, dim3(unsigned(b.block_begin[b.count])), dim3(kGemvWarps * kWarp), smem, stream, true, b);
+}
+
+template <bool kFp8>
+void launch_format(int M, const GemvBatch& b, size_t smem, cudaStream_t stream) {
+  switch (M) {
+    case 1: launch_m<1, kFp8>(b, smem, stream); break;
+    case 2: launch_m<2, kFp8>(b, smem, stream); break;
+    case 3: launch_m<3, kFp8>(b, smem, stream); break;
+    case 4: launch_m<4, kFp8>(b, smem, stream); break;
+    case 5: launch_m<5, kFp8>(b, smem, stream); break;
+    case 6: launch_m<6, kFp8>(b, smem, stream); break;
+    case 7: launch_m<7, kFp8>(b, smem, stream); break;
+    default: launch_m<8, kFp8>(b, smem, stream); break;
+  }
+}
+
+}  // namespace
+
+bool gemv_fits(const GemvParams& p) {
+  if (p.M < 1 || p.M > kGemvMaxM || p.count < 1 || p.count > kMaxGemvOutputs || p.K < 1) return false;
+  const bool fp8 = p.outputs[0].w_scale != nullptr;
+  if (p.K % (fp8 ? 32 : 16) != 0 || !aligned16(p.x) || size_t(p.M) * p.K * 2 > kMaxActivationBytes) return false;
+  for (int i = 0; i < p.count; ++i) {
+    const GemvOutput& o = p.outputs[i];
+    if ((o.w_scale != nullptr) != fp8 || !aligned16(o.w) || o.N < 1) return false;
+  }
+  return true;
+}
+
+void launch_gemv(const GemvParams& p, cudaStream_t stream) {
+  check_arg(gemv_fits(p),
+            "launch_gemv: operands it does not take (M in [1, 8], K % 16 (MXFP8: 32), 16-byte "
+            "aligned x and weights, one weight format, at most 6 outputs)");
+  GemvBatch b;
+  b.x = reinterpret_cast<const uint16_t*>(p.x);
+  b.K = p.K;
+  b.count = p.count;
+  for (int i = 0; i < p.count; ++i) {
+    const GemvOutput& o = p.outputs[i];
+    check_arg(o.out != nullptr && o.out != static_cast<const void*>(p.x), "launch_gemv: every output set, none is x");
+    b.outputs[i] = o;
+    const int64_t end = int64_t(b.block_begin[i]) + (o.N + kRowsPerBlock - 1) / kRowsPerBlock;
+    check_arg(end <= 0x7fffffff, "launch_gemv: too many weight rows for one launch");
+    b.block_begin[i + 1] = int(end);
+  }
+  const size_t smem = size_t(p.M) * p.K * sizeof(uint16_t);
+  if (p.outputs[0].w_scale != nullptr)
+    launch_format<true>(p.M, b, smem, stream);
+  else
+    launch_format<false>(p.M, b, smem, stream);
+}
+
+}  // namespace tpmoe::cuda

@@ -1,0 +1,61 @@
+// How the weight-streaming kernels (the MoE grouped GEMM, the decode GEMV) read weights: 16- and
+// 8-byte loads that skip L1 (weights are read once) with 256-byte L2 fetches, and the exact widening of
+// MXFP8 (e4m3 x E8M0 block scale) to bf16 in registers. Device code only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace tpmoe::cuda {
+
+// Weights are read once: no L1 allocation, and a 256-byte L2 fetch (the next chunks of the row).
+__device__ __forceinline__ uint4 ld_weight16(const uint16_t* ptr) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+}
+
+// 8 e4m3 weights (K % 32 == 0 is required for MXFP8, so a live chunk is always whole).
+__device__ __forceinline__ uint2 ld_weight8(const uint8_t* ptr) {
+  uint2 v;
+  asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "l"(ptr));
+  return v;
+}
+
+// 8 e4m3 values (byte j = element j) times 2^(s - 127) as 8 bf16 (element pairs packed low, high),
+// exactly (an e4m3 value times a power of two fits a bf16 unless it underflows bf16's range).
+// Each byte's sign, exponent and mantissa bits go to the matching bf16 bits with no exponent
+// re-bias: that bf16 is the e4m3 value times 2^-120, subnormals included (bf16 arithmetic keeps
+// subnormals), and one bf16 multiply by 2^(s - 7) = 2^120 * 2^(s - 127) both re-biases and scales.
+// 2^(s - 7) is a bf16 for s <= 134; larger scales take two multiplies.
+__device__ __forceinline__ uint4 dequant_e4m3x8(uint2 raw, uint32_t s) {
+  const bool one_step = s <= 134;
+  const uint32_t m1_bits = one_step ? (s + 120) << 7 : 247u << 7;  // 2^(s-7), or 2^120
+  const uint32_t m2_bits = s << 7;                                 // 2^(s-127) (s >= 135 here)
+  const __nv_bfloat162 m1 =
+      __halves2bfloat162(__ushort_as_bfloat16(uint16_t(m1_bits)), __ushort_as_bfloat16(uint16_t(m1_bits)));
+  const __nv_bfloat162 m2 =
+      __halves2bfloat162(__ushort_as_bfloat16(uint16_t(m2_bits)), __ushort_as_bfloat16(uint16_t(m2_bits)));
+  uint32_t out[4];
+  const uint32_t words[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int w = 0; w < 2; ++w) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // Bytes 2*half and 2*half+1 of the word into the high byte of each 16-bit lane.
+      const uint32_t t = __byte_perm(words[w], 0u, half ? 0x3424u : 0x1404u);
+      const uint32_t bits = (t & 0x80008000u) | ((t >> 4) & 0x07f007f0u);
+      __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+      v = __hmul2(v, m1);
+      if (!one_step) v = __hmul2(v, m2);
+      out[2 * w + half] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  }
+  return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+}  // namespace tpmoe::cuda
