@@ -1,9 +1,14 @@
-// The decode GEMV (gemv.cuh). Grid: one block per kRowsPerBlock weight rows of one output, the
-// outputs' blocks laid end to end (block_begin); each warp owns kRowsPerWarp rows and walks them
-// over k, a lane reading 16 bytes (8 bf16 or 16 e4m3) per row per load, kUnroll loads per row in
-// flight, the next ones issued before the current ones are multiplied. The activations [M][K] are
-// copied into shared memory once per block after the PDL wait; the first weight loads go before it.
-// Sums: each lane accumulates its k chunks in order, then one warp reduction per (row, token).
+// The decode GEMV (gemv.cuh). Grid: one block per group of weight rows of one output, the outputs'
+// blocks laid end to end (block_begin). A block's 4 warps either each own kRowsPerWarp rows, or, for
+// an output with few rows, split k between them (k_split warps per row pair, partial sums added in
+// shared memory in a fixed order): a GEMV is bound by the loads in flight, and a 128-row router with
+// one warp per row pair would keep only 64 warps' loads in flight on the whole GPU. The split
+// depends only on the output's own shape, so an output's bits do not depend on what it is launched
+// with. Each warp walks its rows over k, a lane reading 16 bytes (8 bf16 or 16 e4m3) per row per
+// load, kUnroll loads per row in flight, the next ones issued before the current ones are
+// multiplied. The activations [M][K] are copied into shared memory once per block after the PDL
+// wait; the first weight loads go before it. Sums: each lane accumulates its k chunks in order,
+// then one warp reduction per (row, token), then the k-split partials in warp order.
 #include "backends/cuda/gemv.cuh"
 
 #include "backends/cuda/kernel_utils.cuh"
@@ -19,17 +24,24 @@ namespace {
 
 constexpr int kGemvWarps = 4;
 constexpr int kRowsPerWarp = 2;
-constexpr int kRowsPerBlock = kGemvWarps * kRowsPerWarp;
-constexpr int kUnroll = 2;
+constexpr int kMaxKSplit = kGemvWarps;
+// An output with at least this many row pairs keeps enough loads in flight with one warp per pair
+// (132 SMs x ~8 resident warps); fewer rows split k across 2 or 4 warps.
+constexpr int kFillRowPairs = 1024;
 constexpr size_t kMaxActivationBytes = 200 * 1024;  // x in shared memory (227 KiB per block on Hopper)
+constexpr size_t kPartialBytes = kGemvWarps * kRowsPerWarp * kGemvMaxM * sizeof(float);  // k-split sums
 
 struct GemvBatch {
   const uint16_t* x = nullptr;  // bf16 bits [M][K]
   int K = 0;
   GemvOutput outputs[kMaxGemvOutputs];
   int block_begin[kMaxGemvOutputs + 1] = {};
+  int k_split[kMaxGemvOutputs] = {};  // warps per row pair (1, 2 or 4), per output
   int count = 0;
 };
+
+// Rows of one output a block covers: kRowsPerWarp per group of k_split warps.
+__host__ __device__ constexpr int rows_per_block(int k_split) { return kGemvWarps / k_split * kRowsPerWarp; }
 
 // acc + w . x over 8 bf16 pairs, in k order, fp32.
 __device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
@@ -49,15 +61,21 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
   constexpr int kPerLoad = kFp8 ? 16 : 8;  // k per 16-byte weight load
   constexpr int kPass = kWarp * kPerLoad;  // k per warp and load
   constexpr int kBytesPerK = kFp8 ? 1 : 2;
+  constexpr int kUnroll = M <= 2 ? 4 : 2;  // registers allow more loads in flight for 1-2 tokens
   extern __shared__ __align__(16) unsigned char gemv_smem[];
-  uint16_t* xs = reinterpret_cast<uint16_t*>(gemv_smem);  // [M][K] bf16 bits
+  // [kGemvWarps][kRowsPerWarp][M] k-split partial sums, then x: [M][K] bf16 bits.
+  float* partial = reinterpret_cast<float*>(gemv_smem);
+  uint16_t* xs = reinterpret_cast<uint16_t*>(gemv_smem + kPartialBytes);
 
   int o = 0;
   while (o + 1 < b.count && int(blockIdx.x) >= b.block_begin[o + 1]) ++o;
   const GemvOutput& g = b.outputs[o];
   const int K = b.K, N = g.N;
+  const int k_split = b.k_split[o];
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
-  const int row0 = (int(blockIdx.x) - b.block_begin[o]) * kRowsPerBlock + warp * kRowsPerWarp;
+  const int slice = warp % k_split;  // this warp's share of k: passes slice, slice + k_split, ...
+  const int row0 = (int(blockIdx.x) - b.block_begin[o]) * rows_per_block(k_split) + warp / k_split * kRowsPerWarp;
+  const int stride = kPass * k_split;  // k between a warp's consecutive loads of a row
   const uint8_t* w = static_cast<const uint8_t*>(g.w);
 
   uint4 raw[kUnroll][kRowsPerWarp];
@@ -65,7 +83,7 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
   auto load = [&](int k0) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int k = k0 + u * kPass;
+      const int k = k0 + u * stride;
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
         const int n = row0 + r;
@@ -76,7 +94,7 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
       }
     }
   };
-  int k0 = lane * kPerLoad;
+  int k0 = slice * kPass + lane * kPerLoad;
   load(k0);  // weights never depend on the previous kernel: these loads overlap its tail
 
   pdl_wait();
@@ -91,7 +109,7 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
-  for (; k0 < K; k0 += kUnroll * kPass) {
+  for (; k0 < K; k0 += kUnroll * stride) {
     uint4 cur[kUnroll][kRowsPerWarp];
     uint32_t cur_scale[kUnroll][kRowsPerWarp];
 #pragma unroll
@@ -101,10 +119,10 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
         cur[u][r] = raw[u][r];
         cur_scale[u][r] = kFp8 ? scale[u][r] : 0u;
       }
-    load(k0 + kUnroll * kPass);
+    load(k0 + kUnroll * stride);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int k = k0 + u * kPass;
+      const int k = k0 + u * stride;
       if (k >= K) break;
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
@@ -126,19 +144,23 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
   }
 
 #pragma unroll
-  for (int r = 0; r < kRowsPerWarp; ++r) {
-    const int n = row0 + r;
+  for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       const float v = warp_sum(acc[r][m]);
-      if (lane == 0 && n < N) {
-        if (g.out_f32)
-          static_cast<float*>(g.out)[size_t(m) * N + n] = v;
-        else
-          static_cast<__nv_bfloat16*>(g.out)[size_t(m) * N + n] = __float2bfloat16(v);
-      }
+      if (lane == 0) partial[(warp * kRowsPerWarp + r) * kGemvMaxM + m] = v;
     }
-  }
+  __syncthreads();
+  // Lanes of a group's first warp write its rows: the k slices' sums added in slice order.
+  if (slice != 0 || lane >= kRowsPerWarp * M) return;
+  const int r = lane / M, m = lane % M, n = row0 + r;
+  if (n >= N) return;
+  float v = 0.f;
+  for (int s = 0; s < k_split; ++s) v += partial[((warp + s) * kRowsPerWarp + r) * kGemvMaxM + m];
+  if (g.out_f32)
+    static_cast<float*>(g.out)[size_t(m) * N + n] = v;
+  else
+    static_cast<__nv_bfloat16*>(g.out)[size_t(m) * N + n] = __float2bfloat16(v);
 }
 
 template <int M, bool kFp8>
@@ -161,6 +183,16 @@ void launch_format(int M, const GemvBatch& b, size_t smem, cudaStream_t stream) 
     case 7: launch_m<7, kFp8>(b, smem, stream); break;
     default: launch_m<8, kFp8>(b, smem, stream); break;
   }
+}
+
+// Warps per row pair for an output of N rows: split k (by powers of two, each warp keeping at least
+// one whole pass over k) until the output has kFillRowPairs warps' worth of loads in flight.
+int choose_k_split(int N, int K, bool fp8) {
+  const int pass = kWarp * (fp8 ? 16 : 8);
+  const int pairs = (N + kRowsPerWarp - 1) / kRowsPerWarp;
+  int split = 1;
+  while (split < kMaxKSplit && pairs * split < kFillRowPairs && K >= 2 * split * pass) split *= 2;
+  return split;
 }
 
 }  // namespace
@@ -188,11 +220,13 @@ void launch_gemv(const GemvParams& p, cudaStream_t stream) {
     const GemvOutput& o = p.outputs[i];
     check_arg(o.out != nullptr && o.out != static_cast<const void*>(p.x), "launch_gemv: every output set, none is x");
     b.outputs[i] = o;
-    const int64_t end = int64_t(b.block_begin[i]) + (o.N + kRowsPerBlock - 1) / kRowsPerBlock;
+    b.k_split[i] = choose_k_split(o.N, p.K, o.w_scale != nullptr);
+    const int rows = rows_per_block(b.k_split[i]);
+    const int64_t end = int64_t(b.block_begin[i]) + (o.N + rows - 1) / rows;
     check_arg(end <= 0x7fffffff, "launch_gemv: too many weight rows for one launch");
     b.block_begin[i + 1] = int(end);
   }
-  const size_t smem = size_t(p.M) * p.K * sizeof(uint16_t);
+  const size_t smem = kPartialBytes + size_t(p.M) * p.K * sizeof(uint16_t);
   if (p.outputs[0].w_scale != nullptr)
     launch_format<true>(p.M, b, smem, stream);
   else
