@@ -333,6 +333,7 @@ TEST(CudaMoeExperts, EveryTokenBlockWidthAndLaunchMode) {
       t.pdl = mode != 1;
       t.down_prefetch_bytes = mode == 2 ? 0 : (1 << 20);
       t.auto_select = false;
+      t.single_token_gemv = false;  // the T=1 cases below test the general path (SingleTokenPath: the GEMVs)
       const std::string tag = " bm=" + std::to_string(bm) + " mode=" + std::to_string(mode);
       check_moe(make_inputs(1, 5, 256, 128, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 101), 102), ("T=1" + tag).c_str(),
                 0, t);
@@ -344,6 +345,41 @@ TEST(CudaMoeExperts, EveryTokenBlockWidthAndLaunchMode) {
       for (int tk = 0; tk < 7; ++tk) rep.insert(rep.end(), {2, 2, 2, 9, 16});
       check_moe(make_inputs(7, 5, 128, 64, 17, 0.75f, rep, 106), ("repeats" + tag).c_str(), 0, t);
     }
+  }
+}
+
+// One token runs the two GEMV kernels of moe_gemv.cuh unless told otherwise: both against the oracle,
+// with and without PDL, at shapes with the shared row, repeats within the token, widths the GEMVs
+// decline (H % 8 != 0: the general path) and the tp-8 slice width.
+TEST(CudaMoeExperts, SingleTokenPath) {
+  TPMOE_REQUIRE_GPU();
+  std::vector<std::pair<MoeInputs, std::string>> cases;
+  cases.emplace_back(make_inputs(1, 5, 256, 128, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 111), 112), "H=256 I=128");
+  cases.emplace_back(make_inputs(1, 5, 1024, 384, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 113), 114), "H=1024 I=384");
+  cases.emplace_back(make_inputs(1, 5, 128, 64, 17, 0.75f, {2, 2, 2, 9, 16}, 115), "repeats");
+  cases.emplace_back(make_inputs(1, 3, 2056, 40, 6, 1.f, routed_plus_shared(1, 5, 2, 1, 117), 118),
+                     "H=2056 I=40 (rows not multiples of a pass)");
+  cases.emplace_back(make_inputs(1, 3, 100, 45, 6, 1.f, routed_plus_shared(1, 5, 2, 1, 119), 120), "H=100 I=45");
+  for (const auto& [in, name] : cases) {
+    for (int mode = 0; mode < 3; ++mode) {
+      cuda::MoeTuning t;
+      t.single_token_gemv = mode != 2;
+      t.pdl = mode != 1;
+      check_moe(in, (name + " mode=" + std::to_string(mode)).c_str(), 0, t);
+    }
+  }
+}
+
+// A slot id outside [0, num_rows) is a routing bug: the token's output is NaN on either path.
+TEST(CudaMoeExperts, BadSlotIdGivesNaN) {
+  TPMOE_REQUIRE_GPU();
+  for (bool gemv : {true, false}) {
+    MoeDevice dev(make_inputs(1, 3, 128, 64, 6, 1.f, {1, 6, 5}, 121), 1);
+    dev.p.tuning.single_token_gemv = gemv;
+    // Zeros, not the NaN poison: the NaN must be written.
+    CUDA_CHECK(cudaMemset(dev.out.get(), 0, dev.out.size() * sizeof(__nv_bfloat16)));
+    cuda::launch_moe(dev.p, nullptr);
+    for (float v : from_bf16(dev.out.download())) ASSERT_TRUE(std::isnan(v)) << (gemv ? "GEMV path" : "general path");
   }
 }
 

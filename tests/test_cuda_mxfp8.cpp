@@ -200,7 +200,7 @@ std::vector<int32_t> routed_plus_shared(int T, int E, int k, int n_shared, uint6
   return ids;
 }
 
-void check_moe_fp8(int T, int E, int k, int H, int I, const std::string& what) {
+void check_moe_fp8(int T, int E, int k, int H, int I, const std::string& what, bool single_token_gemv = true) {
   const int n = 1, R = E + n, slots = k + n;
   const float scale = 2.f;
   const std::vector<float> x = round_bf16(random_floats(size_t(T) * H, 1.f, 3 + T));
@@ -234,6 +234,7 @@ void check_moe_fp8(int T, int E, int k, int H, int I, const std::string& what) {
   p.scale = scale;
   p.workspace = ws.get();
   p.workspace_bytes = ws.size();
+  p.tuning.single_token_gemv = single_token_gemv;
   cuda::launch_moe(p, nullptr);
   expect_close(from_bf16(out.download()), want, kTolBf16, what);
 }
@@ -244,6 +245,10 @@ TEST(CudaMxfp8Moe, MatchesOracleAtAwkwardShapes) {
   for (int T : {1, 3, 19, 64, 150}) check_moe_fp8(T, 16, 4, 256, 96, fmt::format("T={} E=16 k=4 H=256 I=96", T));
   check_moe_fp8(5, 7, 3, 160, 64, "T=5 E=7 k=3 H=160 I=64");
   check_moe_fp8(2, 8, 4, 1024, 384, "T=2 E=8 k=4 H=1024 I=384 (tp-8 slice width)");
+  // One token: the single-token GEMVs (moe_gemv.cuh), and the general path they replace.
+  check_moe_fp8(1, 8, 4, 1024, 384, "T=1 H=1024 I=384, single-token GEMVs");
+  check_moe_fp8(1, 8, 4, 1024, 384, "T=1 H=1024 I=384, general path", false);
+  check_moe_fp8(1, 7, 3, 160, 64, "T=1 E=7 k=3 H=160 I=64, single-token GEMVs");
 }
 
 // ---- device quantizer --------------------------------------------------------------------------

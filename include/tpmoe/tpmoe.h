@@ -29,7 +29,7 @@ struct EngineOptions {
   std::string allreduce_path = "auto";  // cuda, tp > 1: auto, push, oneshot, twoshot or nccl for every size
   bool nccl_at_tp1 = false;             // cuda: tp 1 through the NCCL communicator (tests)
   bool pdl = true;                      // cuda: programmatic dependent launch between a step's kernels
-  bool decode_gemv = true;              // cuda: linears of <= 8 tokens on tpmoe's GEMV (false: cuBLASLt)
+  bool decode_gemv = true;              // cuda: GEMVs for linears of <= 8 tokens and a 1-token MoE
   // > 0: run only rank 0 of a tp-`emulate_tp` group on one device (its shard and fusion plan; the
   // collectives replaced by a local stand-in), to measure a rank of a deployment larger than the
   // machine. Its logits are not the model's.

@@ -475,6 +475,7 @@ void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor
   m.scale = scale;
   m.workspace = moe_workspace_;
   m.workspace_bytes = reserve_.moe_workspace_bytes;
+  m.tuning.single_token_gemv = decode_gemv_;
   launch_moe(m, stream_);
 }
 

@@ -42,7 +42,8 @@ struct CudaOpsOptions {
   // Programmatic dependent launch between the kernels of a step (kernel_utils.cuh); process-wide.
   bool pdl = true;
   // Linears of <= 8 tokens on the weight-streaming GEMV (gemv.cuh), which also runs several
-  // projections of one input as one launch; false: one cuBLASLt matmul each (for comparison).
+  // projections of one input as one launch, and the MoE of a single token on its two GEMVs
+  // (moe_gemv.cuh); false: one cuBLASLt matmul each and the grouped-GEMM MoE (for comparison).
   bool decode_gemv = true;
 };
 

@@ -43,19 +43,6 @@ struct GemvBatch {
 // Rows of one output a block covers: kRowsPerWarp per group of k_split warps.
 __host__ __device__ constexpr int rows_per_block(int k_split) { return kGemvWarps / k_split * kRowsPerWarp; }
 
-// acc + w . x over 8 bf16 pairs, in k order, fp32.
-__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
-  const uint32_t wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv[j]));
-    const float2 xf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv[j]));
-    acc = fmaf(wf.x, xf.x, acc);
-    acc = fmaf(wf.y, xf.y, acc);
-  }
-  return acc;
-}
-
 template <int M, bool kFp8>
 __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch b) {
   constexpr int kPerLoad = kFp8 ? 16 : 8;  // k per 16-byte weight load

@@ -6,8 +6,9 @@
 //   n shared slots E..E+n-1 with weight shared_weight. E <= 256 (8 values per lane in registers).
 //   Bytes: T*E*4 + E*4 read, T*(k+n)*8 written.
 //
-// Experts: four launches, all with grids computed from the arguments only (CUDA-graph safe; no host
-// sync, no allocation):
+// Experts: a single token (the batch-1 decode step) takes the two GEMV kernels of moe_gemv.cuh
+// unless MoeTuning says otherwise. Otherwise four launches, all with grids computed from the
+// arguments only (CUDA-graph safe; no host sync, no allocation):
 //   1. align (one CTA): counts the (token, slot) pairs per physical expert row (num_rows bins, i.e.
 //      routed + fused shared rows: binning by E would drop the shared slots), prefix-sums them into
 //      offsets[num_rows + 1], cuts every row's pairs into token blocks of bm pairs (below) and
@@ -68,6 +69,7 @@
 
 #include "backends/cuda/gemv.cuh"
 #include "backends/cuda/kernel_utils.cuh"
+#include "backends/cuda/moe_gemv.cuh"
 #include "backends/cuda/weight_loads.cuh"
 
 #include <algorithm>
@@ -787,6 +789,11 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   auto* act = reinterpret_cast<uint16_t*>(ws + l.act);
   auto* y = reinterpret_cast<float*>(ws + l.y);
   const int pairs = p.num_tokens * p.slots;
+
+  if (p.tuning.single_token_gemv && moe_gemv_fits(p)) {
+    launch_moe_gemv(p, act, p.tuning.pdl, stream);
+    return;
+  }
 
   // Measured on an H200 (docs/PERF.md): 8-pair blocks are fastest up to 64 tokens, 16 at 128, 32
   // beyond; PDL gains ~3 us at small batches and loses up to 6% at 128+ tokens (I = 3072); the down

@@ -43,6 +43,10 @@ struct MoeTuning {
   int down_prefetch_bytes = 65536;  // per down CTA, weights prefetched into L2 before its wait; 0 = off
   // Apply pdl only up to 64 tokens and the prefetch only at 1 token (where they measured faster).
   bool auto_select = true;
+  // A single token runs the two GEMV kernels of moe_gemv.cuh (gate_up + SwiGLU, down + combine)
+  // when its operands fit; false: the general align / GEMM / combine path (block_m and the prefetch
+  // apply only there).
+  bool single_token_gemv = true;
 };
 
 struct MoeKernelParams {

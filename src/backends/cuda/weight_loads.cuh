@@ -1,6 +1,7 @@
-// How the weight-streaming kernels (the MoE grouped GEMM, the decode GEMV) read weights: 16- and
-// 8-byte loads that skip L1 (weights are read once) with 256-byte L2 fetches, and the exact widening of
-// MXFP8 (e4m3 x E8M0 block scale) to bf16 in registers. Device code only.
+// How the weight-streaming kernels (the MoE grouped GEMM, the decode GEMVs) read weights: 16- and
+// 8-byte loads that skip L1 (weights are read once) with 256-byte L2 fetches, the exact widening of
+// MXFP8 (e4m3 x E8M0 block scale) to bf16 in registers, and the GEMVs' fp32 dot of 8 bf16 pairs.
+// Device code only.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,6 +57,19 @@ __device__ __forceinline__ uint4 dequant_e4m3x8(uint2 raw, uint32_t s) {
     }
   }
   return make_uint4(out[0], out[1], out[2], out[3]);
+}
+
+// acc + w . x over 8 bf16 values each, in k order, fp32.
+__device__ __forceinline__ float dot8(const uint4& w, const uint4& x, float acc) {
+  const uint32_t wv[4] = {w.x, w.y, w.z, w.w}, xv[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 wf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&wv[j]));
+    const float2 xf = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&xv[j]));
+    acc = fmaf(wf.x, xf.x, acc);
+    acc = fmaf(wf.y, xf.y, acc);
+  }
+  return acc;
 }
 
 }  // namespace tpmoe::cuda
