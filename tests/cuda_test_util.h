@@ -53,9 +53,17 @@ class DeviceBuffer {
 
   T* get() const { return ptr_; }
   size_t size() const { return n_; }
-  void poison() { CUDA_CHECK(cudaMemset(ptr_, 0xFF, std::max<size_t>(n_, 1) * sizeof(T))); }
+  // Both finish on the device before they return: cudaMemset is asynchronous, and a pageable
+  // cudaMemcpy may return before its DMA lands, both on the legacy stream, which the ops' non-blocking
+  // streams do not wait for: a late poison could overwrite an op's output (the likely cause of a rare
+  // CudaSampling.MatchesTheCpuOpTokenForToken failure, seen twice in ~6 device runs).
+  void poison() {
+    CUDA_CHECK(cudaMemset(ptr_, 0xFF, std::max<size_t>(n_, 1) * sizeof(T)));
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
   void upload(const std::vector<T>& host) {
     CUDA_CHECK(cudaMemcpy(ptr_, host.data(), n_ * sizeof(T), cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaDeviceSynchronize());
   }
   std::vector<T> download() const {
     std::vector<T> host(n_);
