@@ -357,6 +357,8 @@ TEST(CudaMoeExperts, SingleTokenPath) {
   cases.emplace_back(make_inputs(1, 5, 256, 128, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 111), 112), "H=256 I=128");
   cases.emplace_back(make_inputs(1, 5, 1024, 384, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 113), 114), "H=1024 I=384");
   cases.emplace_back(make_inputs(1, 5, 128, 64, 17, 0.75f, {2, 2, 2, 9, 16}, 115), "repeats");
+  cases.emplace_back(make_inputs(1, 11, 256, 64, 17, 1.f, routed_plus_shared(1, 16, 10, 1, 121), 122),
+                     "11 slots (three per down warp)");
   cases.emplace_back(make_inputs(1, 3, 2056, 40, 6, 1.f, routed_plus_shared(1, 5, 2, 1, 117), 118),
                      "H=2056 I=40 (rows not multiples of a pass)");
   cases.emplace_back(make_inputs(1, 3, 100, 45, 6, 1.f, routed_plus_shared(1, 5, 2, 1, 119), 120), "H=100 I=45");
@@ -374,7 +376,7 @@ TEST(CudaMoeExperts, SingleTokenPath) {
 TEST(CudaMoeExperts, BadSlotIdGivesNaN) {
   TPMOE_REQUIRE_GPU();
   for (bool gemv : {true, false}) {
-    MoeDevice dev(make_inputs(1, 3, 128, 64, 6, 1.f, {1, 6, 5}, 121), 1);
+    MoeDevice dev(make_inputs(1, 3, 128, 64, 6, 1.f, {1, 6, 5}, 123), 1);
     dev.p.tuning.single_token_gemv = gemv;
     // Zeros, not the NaN poison: the NaN must be written.
     CUDA_CHECK(cudaMemset(dev.out.get(), 0, dev.out.size() * sizeof(__nv_bfloat16)));

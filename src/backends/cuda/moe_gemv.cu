@@ -12,9 +12,10 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kWarps = 4;     // per block
-constexpr int kDownRows = 2;  // hidden rows per warp in the down kernel
-constexpr int kUnroll = 4;    // loads per row in flight
+constexpr int kWarps = 4;        // per block
+constexpr int kDownRows = 2;     // hidden rows per block in the down kernel
+constexpr int kUnroll = 4;       // loads per row in flight
+constexpr int kMaxSlots = 1024;  // the down kernel keeps a sum per slot and row in shared memory
 
 struct MoeGemvParams {
   const uint16_t* x = nullptr;  // [hidden] bf16 bits
@@ -100,25 +101,24 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_gate_up_gemv_kernel(const M
     p.act[size_t(s) * p.inter + j] = __bfloat16_as_ushort(__float2bfloat16_rn(swiglu_oai(g, u, p.alpha, p.limit)));
 }
 
-// Grid ceil(hidden / (kWarps * kDownRows)): warp -> kDownRows hidden rows, all slots in slot order.
+// Grid ceil(hidden / kDownRows): a block -> kDownRows hidden rows; its warps split the slots (warp w
+// takes slots w, w + kWarps, ...), so each warp's chain of dependent loads is a slot or two long.
+// Each (slot, row) sum goes to shared memory; the rows' outputs add them up in slot order.
 template <bool kFp8>
 __global__ void __launch_bounds__(kWarps* kWarp) moe_down_gemv_kernel(const MoeGemvParams p) {
   constexpr int kPass = kWarp * (kFp8 ? 16 : 8);
-  const int lane = threadIdx.x % kWarp;
-  const int n0 = (blockIdx.x * kWarps + threadIdx.x / kWarp) * kDownRows;
+  extern __shared__ float slot_sums[];  // [slots][kDownRows], times the slot weight
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
+  const int n0 = blockIdx.x * kDownRows;
   // Slot ids and weights were written by the router, two launches back: complete when this kernel
   // starts, so they and the weights they select are read before the wait; act (the previous launch's
   // output) after it.
-  bool waited = false, bad = false;
-  float acc[kDownRows] = {};
-  for (int s = 0; s < p.slots; ++s) {
+  bool waited = false;
+  for (int s = warp; s < p.slots; s += kWarps) {
     const int e = p.slot_ids[s];
-    if (e < 0 || e >= p.num_rows) {
-      bad = true;
-      continue;
-    }
-    const float ws = p.slot_weights[s];
+    if (e < 0 || e >= p.num_rows) continue;  // NaN below
     const uint16_t* act = p.act + size_t(s) * p.inter;
+    float d[kDownRows] = {};
     for (int k0 = lane * (kPass / kWarp); k0 < p.inter; k0 += kUnroll * kPass) {
       uint4 w[kDownRows][kUnroll];
       uint32_t sc[kDownRows][kUnroll];
@@ -138,28 +138,36 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_down_gemv_kernel(const MoeG
         waited = true;
       }
 #pragma unroll
-      for (int r = 0; r < kDownRows; ++r) {
-        float d = 0.f;
+      for (int r = 0; r < kDownRows; ++r)
 #pragma unroll
         for (int i = 0; i < kUnroll; ++i) {
           const int k = k0 + i * kPass;
           if (k >= p.inter) break;
-          d = dot_load<kFp8>(w[r][i], sc[r][i], act, k, d);
+          d[r] = dot_load<kFp8>(w[r][i], sc[r][i], act, k, d[r]);
         }
-        acc[r] = fmaf(ws, d, acc[r]);
-      }
+    }
+    const float ws = p.slot_weights[s];
+#pragma unroll
+    for (int r = 0; r < kDownRows; ++r) {
+      const float v = warp_sum(d[r]);
+      if (lane == 0) slot_sums[s * kDownRows + r] = ws * v;
     }
   }
   if (!waited) {
     pdl_wait();
     pdl_trigger();
   }
-#pragma unroll
-  for (int r = 0; r < kDownRows; ++r) {
-    const float v = warp_sum(acc[r]);
-    if (lane == 0 && n0 + r < p.hidden)
-      p.out[n0 + r] = __float2bfloat16_rn(bad ? __int_as_float(0x7fc00000) : p.scale * v);
+  __syncthreads();
+  const int r = threadIdx.x, n = n0 + r;
+  if (r >= kDownRows || n >= p.hidden) return;
+  float v = 0.f;
+  bool bad = false;
+  for (int s = 0; s < p.slots; ++s) {
+    const int e = p.slot_ids[s];
+    bad |= e < 0 || e >= p.num_rows;
+    v += slot_sums[s * kDownRows + r];  // a bad slot's entry is never written; the NaN replaces v
   }
+  p.out[n] = __float2bfloat16_rn(bad ? __int_as_float(0x7fc00000) : p.scale * v);
 }
 
 }  // namespace
@@ -167,8 +175,8 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_down_gemv_kernel(const MoeG
 bool moe_gemv_fits(const MoeKernelParams& p) {
   const bool fp8 = p.gate_up_scale != nullptr;
   const int multiple = fp8 ? 32 : 8;
-  return p.num_tokens == 1 && p.hidden % multiple == 0 && p.inter % multiple == 0 && aligned16(p.x) &&
-         aligned16(p.gate_up) && aligned16(p.down);
+  return p.num_tokens == 1 && p.slots <= kMaxSlots && p.hidden % multiple == 0 && p.inter % multiple == 0 &&
+         aligned16(p.x) && aligned16(p.gate_up) && aligned16(p.down);
 }
 
 void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStream_t stream) {
@@ -193,14 +201,14 @@ void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStre
   g.scale = p.scale;
   const dim3 block(kWarps * kWarp);
   const dim3 gate_up_grid(unsigned((p.inter + kWarps - 1) / kWarps), unsigned(p.slots));
-  const dim3 down_grid(unsigned((p.hidden + kWarps * kDownRows - 1) / (kWarps * kDownRows)));
-  check_arg(p.slots <= 65535, "launch_moe_gemv: too many slots for the grid");
+  const dim3 down_grid(unsigned((p.hidden + kDownRows - 1) / kDownRows));
+  const size_t down_smem = size_t(p.slots) * kDownRows * sizeof(float);
   if (p.gate_up_scale != nullptr) {
     launch_pdl(moe_gate_up_gemv_kernel<true>, gate_up_grid, block, 0, stream, pdl, g);
-    launch_pdl(moe_down_gemv_kernel<true>, down_grid, block, 0, stream, pdl, g);
+    launch_pdl(moe_down_gemv_kernel<true>, down_grid, block, down_smem, stream, pdl, g);
   } else {
     launch_pdl(moe_gate_up_gemv_kernel<false>, gate_up_grid, block, 0, stream, pdl, g);
-    launch_pdl(moe_down_gemv_kernel<false>, down_grid, block, 0, stream, pdl, g);
+    launch_pdl(moe_down_gemv_kernel<false>, down_grid, block, down_smem, stream, pdl, g);
   }
 }
 

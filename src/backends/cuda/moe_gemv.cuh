@@ -3,8 +3,9 @@
 // the token-blocked GEMMs and the combine of the general path reduce to two weight-streaming GEMVs:
 //   1. gate_up + SwiGLU-OAI: act[s, j] = swiglu(x . Wgu[e_s][j], x . Wgu[e_s][I + j]), one warp per
 //      (slot, j), both rows of the pair read by the same warp;
-//   2. down + combine: out[n] = bf16(scale * sum_s w_s * (act[s] . Wdown[e_s][n])), one warp per two
-//      hidden rows, walking the slots in order: no fp32 y buffer, no combine launch.
+//   2. down + combine: out[n] = bf16(scale * sum_s w_s * (act[s] . Wdown[e_s][n])), one block per
+//      two hidden rows, its warps splitting the slots, the sums added in slot order: no fp32 y
+//      buffer, no combine launch.
 // Three launches a MoE layer (route, these two) instead of five. Bytes as the general path: each
 // slot's expert rows once. The down kernel starts loading its weights before the PDL wait (the slot
 // ids come from the router, two launches back and therefore complete; see kernel_utils.cuh).
