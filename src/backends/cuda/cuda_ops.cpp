@@ -316,38 +316,45 @@ void CudaOps::add(Tensor x, Tensor y) {
   launch_add_bf16(bf16(x), bf16_mut(y), y.numel(), stream_);
 }
 
-bool CudaOps::gemv(Tensor x, std::span<const Projection> items) {
+bool CudaOps::gemv_params(Tensor x, std::span<const Projection> items, GemvParams& p) const {
   if (!decode_gemv_ || x.dim(0) > kGemvMaxM || items.size() > size_t(kMaxGemvOutputs)) return false;
-  GemvParams p;
+  p = GemvParams{};
   p.x = bf16(x);
   p.M = int(x.dim(0));
   p.K = int(x.dim(1));
   for (const Projection& it : items) {
     const bool fp8 = it.weight.dtype == DType::kF8E4M3;
-    if (!fp8 && it.weight.dtype != DType::kBF16) return false;
+    // Anything else is for linear()'s own checks to name.
+    if ((!fp8 && it.weight.dtype != DType::kBF16) || (it.out.dtype != DType::kF32 && it.out.dtype != DType::kBF16))
+      return false;
     TPMOE_CHECK(it.weight.dim(1) == x.dim(1) && it.out.dim(0) == x.dim(0) && it.out.dim(1) == it.weight.dim(0),
                 "linear: x [{}, {}], weight [{}, {}], out [{}, {}] do not fit", x.dim(0), x.dim(1), it.weight.dim(0),
                 it.weight.dim(1), it.out.dim(0), it.out.dim(1));
     p.outputs[p.count++] = {it.weight.data, fp8 ? static_cast<const uint8_t*>(it.weight.scale) : nullptr, it.out.data,
                             it.out.dtype == DType::kF32, int(it.weight.dim(0))};
   }
-  if (!gemv_fits(p)) return false;
-  launch_gemv(p, stream_);
-  return true;
+  return gemv_fits(p);
 }
 
 void CudaOps::linears(Tensor x, std::span<const Projection> items) {
-  const auto timer = timed(fmt::format("linears x{}", items.size()));
   expect(x, DType::kBF16, "linear input");
-  if (gemv(x, items)) return;
-  for (const Projection& it : items) linear(x, it.weight, it.out);
+  GemvParams p;
+  if (!gemv_params(x, items, p)) {  // one linear() each, timed there
+    for (const Projection& it : items) linear(x, it.weight, it.out);
+    return;
+  }
+  const auto timer = timed(fmt::format("linears x{}", items.size()));
+  launch_gemv(p, stream_);
 }
 
 void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
   const auto timer = timed(fmt::format("linear {}x{} -> {}", weight.dim(0), weight.dim(1), dtype_name(out.dtype)));
   expect(x, DType::kBF16, "linear input");
   const Projection one{weight, out};
-  if (gemv(x, {&one, 1})) return;
+  if (GemvParams p; gemv_params(x, {&one, 1}, p)) {
+    launch_gemv(p, stream_);
+    return;
+  }
   if (weight.dtype == DType::kF8E4M3) {  // MXFP8: weight-only FP8 (moe.cuh)
     launch_fp8_linear({bf16(x), weight.as<uint8_t>(), static_cast<const uint8_t*>(weight.scale), out.data,
                        out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)), int(x.dim(1))},

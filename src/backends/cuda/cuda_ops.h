@@ -15,6 +15,7 @@
 #include "backends/backend.h"
 #include "backends/cuda/attention.cuh"
 #include "backends/cuda/gemm.h"
+#include "backends/cuda/gemv.cuh"
 #include "model/fusion_plan.h"
 #include "model/ops.h"
 #include "model/parallel.h"
@@ -44,6 +45,7 @@ struct CudaOpsOptions {
   // Linears of <= 8 tokens on the weight-streaming GEMV (gemv.cuh), which also runs several
   // projections of one input as one launch, and the MoE of a single token on its two GEMVs
   // (moe_gemv.cuh); false: one cuBLASLt matmul each and the grouped-GEMM MoE (for comparison).
+  // MXFP8 linears take the GEMV either way (launch_fp8_linear: cuBLASLt has no MXFP8 on Hopper).
   bool decode_gemv = true;
 };
 
@@ -140,7 +142,8 @@ class CudaOps final : public Ops {
   void collect_op_times();  // after a sync: fold finished event pairs into the totals
   bool profile_ops_ = false;
   bool decode_gemv_ = true;
-  bool gemv(Tensor x, std::span<const Projection> items);  // false: the GEMV does not take them
+  // The decode GEMV's launch for these projections of x; false: it does not take them.
+  bool gemv_params(Tensor x, std::span<const Projection> items, GemvParams& p) const;
   struct PendingTime {
     std::string name;
     cudaEvent_t start, stop;
