@@ -12,7 +12,8 @@
 // bf16 in registers, one E8M0 scale per 32 inputs); the floor counts 3*I*H*(1 + 1/32) bytes per
 // distinct row. The unfused and cuBLASLt baselines are bf16-only and are not run.
 //
-//   bench_moe [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8]
+//   bench_moe [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8] [--inter 3072|384] [--batch N]
+// (--inter, --batch: only that width or batch of the table, e.g. under a profiler)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -111,11 +112,16 @@ int main(int argc, char** argv) {
   int reps = 25;
   bool ablate = false;
   bool mxfp8 = false;
+  int only_inter = 0, only_batch = 0;  // 0: every width / batch of the table
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
       json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--reps") && i + 1 < argc)
       reps = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--inter") && i + 1 < argc)
+      only_inter = std::atoi(argv[++i]);
+    else if (!std::strcmp(argv[i], "--batch") && i + 1 < argc)
+      only_batch = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--ablate"))
       ablate = true;
     else if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc && !std::strcmp(argv[i + 1], "mxfp8"))
@@ -123,9 +129,17 @@ int main(int argc, char** argv) {
     else if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc && !std::strcmp(argv[i + 1], "bf16"))
       ++i;
     else {
-      std::fprintf(stderr, "usage: %s [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8]\n", argv[0]);
+      std::fprintf(
+          stderr, "usage: %s [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8] [--inter 3072|384] [--batch N]\n",
+          argv[0]);
       return 2;
     }
+  }
+  const std::vector<int> widths = {3072, 384}, batches = {1, 2, 4, 8, 16, 32, 64, 128, 256};
+  if ((only_inter != 0 && std::find(widths.begin(), widths.end(), only_inter) == widths.end()) ||
+      (only_batch != 0 && std::find(batches.begin(), batches.end(), only_batch) == batches.end())) {
+    std::fprintf(stderr, "bench_moe: --inter takes 3072 or 384, --batch one of 1, 2, 4, ..., 256\n");
+    return 2;
   }
   try {
     const double bw = tpmoe::measure_read_bandwidth("cuda"), copy_bw = tpmoe::measure_copy_bandwidth("cuda");
@@ -144,13 +158,13 @@ int main(int argc, char** argv) {
     const tpmoe::cuda::MoeTuning defaults;
 
     const int max_T = 256;
-    const int batches[] = {1, 2, 4, 8, 16, 32, 64, 128, 256};
     nlohmann::json rows = nlohmann::json::array();
     std::printf("\n%5s %5s %8s %9s %10s %8s %7s %9s %6s %11s %8s %11s %8s\n", "I", "batch", "distinct", "MB", "us",
                 "GB/s", "% bw", "floor us", "ratio", "unfused us", "gain %", "baseline us", "vs base");
     std::vector<std::string> ablation_lines;
 
-    for (const int I : {3072, 384}) {
+    for (const int I : widths) {
+      if (only_inter != 0 && I != only_inter) continue;
       const int H = kHidden;
       // Weights: [129, 2I, H] and [129, H, I]; row 128 is the shared expert.
       const size_t gu_row = size_t(2) * I * H, dn_row = size_t(H) * I;
@@ -195,6 +209,7 @@ int main(int argc, char** argv) {
       CUDA_CHECK(cudaStreamSynchronize(stream));
 
       for (const int T : batches) {
+        if (only_batch != 0 && T != only_batch) continue;
         tpmoe::cuda::RouteKernelParams rp;
         rp.logits = logits;
         rp.bias = bias;
@@ -235,6 +250,8 @@ int main(int argc, char** argv) {
         mpu.slot_weights = wts_u;
         mpu.slots = kTopK;
         mpu.num_rows = kExperts;
+        mp.route = rp;  // the layer routes itself, as the engine runs it (Ops::route_experts)
+        mpu.route = rpu;
 
         // Routing once, read back: distinct rows, and the baseline's per-expert token lists.
         tpmoe::cuda::launch_route(rp, stream);
@@ -264,12 +281,8 @@ int main(int argc, char** argv) {
         const double bytes = weight_bytes + act_bytes;
         const double floor_us = bytes / bw * 1e6;
 
-        auto fused = [&](cudaStream_t s) {
-          tpmoe::cuda::launch_route(rp, s);
-          tpmoe::cuda::launch_moe(mp, s);
-        };
+        auto fused = [&](cudaStream_t s) { tpmoe::cuda::launch_moe(mp, s); };
         auto unfused = [&](cudaStream_t s) {
-          tpmoe::cuda::launch_route(rpu, s);
           tpmoe::cuda::launch_moe(mpu, s);
           gemm.linear(x, gate_up + size_t(kExperts) * gu_row, gu_buf, false, T, 2 * I, H, s);
           tpmoe::cuda::launch_swiglu({gu_buf, a_buf, T, I, 1.702f, 7.0f}, s);

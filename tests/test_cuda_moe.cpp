@@ -10,6 +10,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "backends/cpu/cpu_ops.h"
@@ -350,15 +351,17 @@ TEST(CudaMoeExperts, EveryTokenBlockWidthAndLaunchMode) {
 
 // One token runs the two GEMV kernels of moe_gemv.cuh unless told otherwise: both against the oracle,
 // with and without PDL, at shapes with the shared row, repeats within the token, widths the GEMVs
-// decline (H % 8 != 0: the general path) and the tp-8 slice width.
+// decline (H % 8 != 0: the general path), the tp-8 slice width and gate_up's k split.
 TEST(CudaMoeExperts, SingleTokenPath) {
   TPMOE_REQUIRE_GPU();
   std::vector<std::pair<MoeInputs, std::string>> cases;
   cases.emplace_back(make_inputs(1, 5, 256, 128, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 111), 112), "H=256 I=128");
   cases.emplace_back(make_inputs(1, 5, 1024, 384, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 113), 114), "H=1024 I=384");
   cases.emplace_back(make_inputs(1, 5, 128, 64, 17, 0.75f, {2, 2, 2, 9, 16}, 115), "repeats");
-  cases.emplace_back(make_inputs(1, 11, 256, 64, 17, 1.f, routed_plus_shared(1, 16, 10, 1, 121), 122),
-                     "11 slots (three per down warp)");
+  cases.emplace_back(make_inputs(1, 11, 256, 64, 17, 1.f, routed_plus_shared(1, 16, 10, 1, 121), 122), "11 slots");
+  // Few (slot, row) pairs: on an H200 gate_up splits each pair's k across 2 warps here, 4 at H=2056 below.
+  cases.emplace_back(make_inputs(1, 5, 1536, 48, 17, 1.f, routed_plus_shared(1, 16, 4, 1, 125), 126),
+                     "H=1536 I=48 (k split two ways)");
   cases.emplace_back(make_inputs(1, 3, 2056, 40, 6, 1.f, routed_plus_shared(1, 5, 2, 1, 117), 118),
                      "H=2056 I=40 (rows not multiples of a pass)");
   cases.emplace_back(make_inputs(1, 3, 100, 45, 6, 1.f, routed_plus_shared(1, 5, 2, 1, 119), 120), "H=100 I=45");
@@ -382,6 +385,77 @@ TEST(CudaMoeExperts, BadSlotIdGivesNaN) {
     CUDA_CHECK(cudaMemset(dev.out.get(), 0, dev.out.size() * sizeof(__nv_bfloat16)));
     cuda::launch_moe(dev.p, nullptr);
     for (float v : from_bf16(dev.out.download())) ASSERT_TRUE(std::isnan(v)) << (gemv ? "GEMV path" : "general path");
+  }
+}
+
+// A layer that routes itself (MoeKernelParams::route) gives the bits of launch_route and then
+// launch_moe: the output, the slots it writes and the routing statistics, on the single-token GEMVs
+// (which route inside their kernels) and on the general path, with and without PDL; and those slots
+// run through the oracle give the output. Routing of another shape than the layer's is refused.
+TEST(CudaMoeExperts, RoutingInsideTheLayerMatchesRoutingFirst) {
+  TPMOE_REQUIRE_GPU();
+  struct Shape {
+    int T, E, k, n, H, I;
+  };
+  for (const Shape s : {Shape{1, 128, 4, 1, 1024, 384}, Shape{1, 40, 8, 2, 256, 64}, Shape{1, 16, 4, 0, 128, 72},
+                        Shape{6, 128, 4, 1, 256, 128}}) {
+    const int slots = s.k + s.n;
+    const MoeInputs in =
+        make_inputs(s.T, slots, s.H, s.I, s.E + s.n, 1.5f, std::vector<int32_t>(size_t(s.T) * slots, 0), 131 + s.E);
+    std::vector<float> logits = random_floats(size_t(s.T) * s.E, 2.f, 132 + s.E);
+    std::vector<float> bias = uniform_floats(size_t(s.E), -0.05f, 0.05f, 133);
+    logits[3] = logits[s.E - 1] = 8.f;  // a tie among the first token's top choices
+    bias[3] = bias[s.E - 1] = 0.f;
+    const DeviceBuffer<float> d_logits(logits), d_bias(bias);
+    const DeviceBuffer<int32_t> real_tokens(std::vector<int32_t>{s.T});
+    for (int mode = 0; mode < 4; ++mode) {
+      const std::string what = "T=" + std::to_string(s.T) + " E=" + std::to_string(s.E) + " k=" + std::to_string(s.k) +
+                               " n=" + std::to_string(s.n) + " mode=" + std::to_string(mode);
+      MoeDevice first(in, s.T), inside(in, s.T);
+      DeviceBuffer<uint8_t> flags_first(std::vector<uint8_t>(size_t(s.E), 0)),
+          flags_inside(std::vector<uint8_t>(size_t(s.E), 0));
+      cuda::RouteKernelParams r;
+      r.logits = d_logits.get();
+      r.bias = d_bias.get();
+      r.num_tokens = s.T;
+      r.num_experts = s.E;
+      r.top_k = s.k;
+      r.num_shared = s.n;
+      r.shared_weight = 0.4f;
+      r.num_real_tokens = real_tokens.get();
+      for (MoeDevice* dev : {&first, &inside}) {
+        dev->p.tuning.single_token_gemv = mode < 2;
+        dev->p.tuning.pdl = mode % 2 == 0;
+        dev->ids.poison();
+        dev->weights.poison();
+      }
+      cuda::RouteKernelParams r_first = r, r_inside = r;
+      r_first.slot_ids = first.ids.get();
+      r_first.slot_weights = first.weights.get();
+      r_first.routed_flags = flags_first.get();
+      r_inside.slot_ids = inside.ids.get();
+      r_inside.slot_weights = inside.weights.get();
+      r_inside.routed_flags = flags_inside.get();
+      cuda::launch_route(r_first, nullptr);
+      cuda::launch_moe(first.p, nullptr);
+      inside.p.route = r_inside;
+      cuda::launch_moe(inside.p, nullptr);
+
+      const std::vector<int32_t> ids = first.ids.download();
+      const std::vector<float> weights = first.weights.download();
+      ASSERT_EQ(inside.ids.download(), ids) << what;
+      ASSERT_EQ(inside.weights.download(), weights) << what;
+      EXPECT_EQ(flags_inside.download(), flags_first.download()) << what;
+      const std::vector<float> out = from_bf16(inside.out.download());
+      EXPECT_EQ(out, from_bf16(first.out.download())) << what;
+      MoeInputs routed = in;
+      routed.ids = ids;
+      routed.weights = weights;
+      expect_matches_oracle(out, moe_cpu(routed), what.c_str());
+
+      inside.p.route.num_shared = s.n + 1;  // slots of another layer
+      EXPECT_THROW(cuda::launch_moe(inside.p, nullptr), Error) << what;
+    }
   }
 }
 

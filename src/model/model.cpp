@@ -119,9 +119,8 @@ void Model::moe(int l, Tensor h, int T, Tensor out) {
   Tensor logits = ops_.alloc_typed(T, c_.num_experts, DType::kF32);
   Tensor slot_ids = ops_.alloc_typed(T, slots, DType::kI32), slot_weights = ops_.alloc_typed(T, slots, DType::kF32);
   ops_.linear(h, m.router, logits);
-  ops_.route(logits, m.bias, rp, slot_ids, slot_weights);
-  ops_.moe_experts(h, slot_ids, slot_weights, m.experts_gate_up, m.experts_down, {c_.swiglu_alpha, c_.swiglu_limit},
-                   c_.routed_scaling_factor, out);
+  ops_.route_experts(h, {logits, m.bias, rp, slot_ids, slot_weights}, m.experts_gate_up, m.experts_down,
+                     {c_.swiglu_alpha, c_.swiglu_limit}, c_.routed_scaling_factor, out);
   // Unfused: the shared expert runs as its own MLP. Its partial sum joins the routed one before the
   // layer's single reduction (never reduced twice, never once each).
   if (!m.shared.gate_up.empty()) {

@@ -112,6 +112,14 @@ struct RouterParams {
   float shared_weight = 0;   // weight of each appended slot (1 / rsf)
 };
 
+// The router's half of a MoE layer, for Ops::route_experts: its logits and bias in, the slots out.
+struct Routing {
+  Tensor logits;  // [T, E] fp32
+  Tensor bias;    // [E] fp32
+  RouterParams params;
+  Tensor slot_ids, slot_weights;  // [T, k+n]: written
+};
+
 // One row of a sampling op: the request's SamplingParams as the op needs them (sampling.h says
 // what each filter does; SamplingParams::validate has checked them) plus the row's RNG key.
 struct SampleRowParams {
@@ -203,6 +211,13 @@ class Ops {
   // gate_up[R, 2I, H], down[R, H, I]; R is the physical row count (routed + fused shared rows).
   virtual void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
                            const SwigluParams& p, float scale, Tensor out) = 0;
+  // route(r...) and then moe_experts on the slots it chose, as one call, so that a backend may route
+  // inside its expert kernels (the GPU does for a single token): the same results, slots included.
+  virtual void route_experts(Tensor x, const Routing& r, Tensor gate_up, Tensor down, const SwigluParams& p,
+                             float scale, Tensor out) {
+    route(r.logits, r.bias, r.params, r.slot_ids, r.slot_weights);
+    moe_experts(x, r.slot_ids, r.slot_weights, gate_up, down, p, scale, out);
+  }
   // out[R, H] = x[rows[r]] for the step's logit_rows.
   virtual void gather_logit_rows(Tensor x, Tensor out) = 0;
   // ids[R] (int32) = argmax of each row of logits[R, V] (the first maximum, as torch.argmax); when

@@ -417,8 +417,8 @@ void CudaOps::swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) {
   launch_swiglu({bf16(gate_up), bf16_mut(out), int(out.dim(0)), int(out.dim(1)), p.alpha, p.limit}, stream_);
 }
 
-void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) {
-  const auto timer = timed("route");
+RouteKernelParams CudaOps::route_params(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids,
+                                        Tensor slot_weights) const {
   expect(router_logits, DType::kF32, "router logits");
   RouteKernelParams r{router_logits.as<float>(),
                       bias.as<float>(),
@@ -429,11 +429,16 @@ void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Te
                       p.top_k,
                       p.num_shared_slots,
                       p.shared_weight};
-  if (routed_) {  // routing statistics ride in the router kernel: no launch of their own
+  if (routed_) {  // routing statistics ride in the routing kernel: no launch of their own
     r.routed_flags = routed_ + size_t(p.layer) * size_t(routed_experts_);
     r.num_real_tokens = num_real_tokens_;
   }
-  launch_route(r, stream_);
+  return r;
+}
+
+void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) {
+  const auto timer = timed("route");
+  launch_route(route_params(router_logits, bias, p, slot_ids, slot_weights), stream_);
 }
 
 void CudaOps::enable_routing_stats(int num_layers, int num_experts) {
@@ -455,9 +460,8 @@ std::vector<int> CudaOps::take_routed_experts() {
   return counts;
 }
 
-void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
-                          const SwigluParams& p, float scale, Tensor out) {
-  const auto timer = timed(fmt::format("moe_experts ({} rows)", gate_up.dim(0)));
+MoeKernelParams CudaOps::moe_params(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
+                                    const SwigluParams& p, float scale, Tensor out) const {
   TPMOE_CHECK(out.data != x.data, "CUDA backend: the MoE output must not alias its input");
   MoeKernelParams m;
   m.x = bf16(x);
@@ -483,6 +487,20 @@ void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor
   m.workspace = moe_workspace_;
   m.workspace_bytes = reserve_.moe_workspace_bytes;
   m.tuning.single_token_gemv = decode_gemv_;
+  return m;
+}
+
+void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
+                          const SwigluParams& p, float scale, Tensor out) {
+  const auto timer = timed(fmt::format("moe_experts ({} rows)", gate_up.dim(0)));
+  launch_moe(moe_params(x, slot_ids, slot_weights, gate_up, down, p, scale, out), stream_);
+}
+
+void CudaOps::route_experts(Tensor x, const Routing& r, Tensor gate_up, Tensor down, const SwigluParams& p, float scale,
+                            Tensor out) {
+  const auto timer = timed(fmt::format("route + moe_experts ({} rows)", gate_up.dim(0)));
+  MoeKernelParams m = moe_params(x, r.slot_ids, r.slot_weights, gate_up, down, p, scale, out);
+  m.route = route_params(r.logits, r.bias, r.params, r.slot_ids, r.slot_weights);
   launch_moe(m, stream_);
 }
 

@@ -16,6 +16,7 @@
 #include "backends/cuda/attention.cuh"
 #include "backends/cuda/gemm.h"
 #include "backends/cuda/gemv.cuh"
+#include "backends/cuda/moe.cuh"
 #include "model/fusion_plan.h"
 #include "model/ops.h"
 #include "model/parallel.h"
@@ -82,6 +83,8 @@ class CudaOps final : public Ops {
   void route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) override;
   void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down, const SwigluParams& p,
                    float scale, Tensor out) override;
+  void route_experts(Tensor x, const Routing& r, Tensor gate_up, Tensor down, const SwigluParams& p, float scale,
+                     Tensor out) override;
   void gather_logit_rows(Tensor x, Tensor out) override;
   void argmax(Tensor logits, Tensor ids, Tensor values) override;
   void enable_routing_stats(int num_layers, int num_experts) override;
@@ -144,6 +147,11 @@ class CudaOps final : public Ops {
   bool decode_gemv_ = true;
   // The decode GEMV's launch for these projections of x; false: it does not take them.
   bool gemv_params(Tensor x, std::span<const Projection> items, GemvParams& p) const;
+  // The kernels' views of route() and moe_experts() (route_experts() launches both in one).
+  RouteKernelParams route_params(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids,
+                                 Tensor slot_weights) const;
+  MoeKernelParams moe_params(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
+                             const SwigluParams& p, float scale, Tensor out) const;
   struct PendingTime {
     std::string name;
     cudaEvent_t start, stop;

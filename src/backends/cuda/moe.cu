@@ -70,6 +70,7 @@
 #include "backends/cuda/gemv.cuh"
 #include "backends/cuda/kernel_utils.cuh"
 #include "backends/cuda/moe_gemv.cuh"
+#include "backends/cuda/route_top_k.cuh"
 #include "backends/cuda/weight_loads.cuh"
 
 #include <algorithm>
@@ -85,87 +86,20 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr float kNegInf = -INFINITY;
-
 // ----------------------------------------------------------------------------------------------
 // Router
 // ----------------------------------------------------------------------------------------------
 
 constexpr int kRouteWarps = 4;
-constexpr int kRouteMaxPerLane = 8;  // E <= 256
 
+// A warp per token (route_top_k.cuh).
 __global__ void __launch_bounds__(kRouteWarps * 32) route_kernel(const RouteKernelParams p) {
   pdl_wait();
   pdl_trigger();
   const int lane = threadIdx.x & 31;
   const int t = blockIdx.x * kRouteWarps + (threadIdx.x >> 5);
   if (t >= p.num_tokens) return;
-  const int E = p.num_experts;
-  const float* logits = p.logits + size_t(t) * E;
-
-  float score[kRouteMaxPerLane], choice[kRouteMaxPerLane];
-#pragma unroll
-  for (int i = 0; i < kRouteMaxPerLane; ++i) {
-    const int e = lane + 32 * i;
-    score[i] = 0.f;
-    choice[i] = kNegInf;
-    if (e < E) {
-      score[i] = 1.f / (1.f + expf(-logits[e]));  // as the oracle: fp32 sigmoid, precise expf
-      choice[i] = score[i] + p.bias[e];           // the bias only chooses
-    }
-  }
-
-  uint32_t taken = 0;  // bit i: expert lane + 32*i already chosen
-  int my_id = 0;       // lane r < k holds the r-th choice
-  float my_score = 0.f;
-  float sum = 0.f;
-  for (int r = 0; r < p.top_k; ++r) {
-    float best_v = kNegInf, best_s = 0.f;
-    int best_e = 0x7fffffff;
-#pragma unroll
-    for (int i = 0; i < kRouteMaxPerLane; ++i) {
-      const int e = lane + 32 * i;
-      // Ids rise with i, so among equal values the first one seen (the lower id) is kept.
-      if (e < E && !((taken >> i) & 1u) && (choice[i] > best_v || (choice[i] == best_v && e < best_e))) {
-        best_v = choice[i];
-        best_s = score[i];
-        best_e = e;
-      }
-    }
-    // Butterfly: every lane ends with the same (value, id); ties to the lower id.
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, best_v, off);
-      const float os = __shfl_xor_sync(0xffffffffu, best_s, off);
-      const int oe = __shfl_xor_sync(0xffffffffu, best_e, off);
-      if (ov > best_v || (ov == best_v && oe < best_e)) {
-        best_v = ov;
-        best_s = os;
-        best_e = oe;
-      }
-    }
-    if ((best_e & 31) == lane) taken |= 1u << (best_e >> 5);
-    if (lane == r) {
-      my_id = best_e;
-      my_score = best_s;
-    }
-    sum += best_s;  // in choice order, as the oracle
-  }
-
-  const int slots = p.top_k + p.num_shared;
-  int32_t* ids = p.slot_ids + size_t(t) * slots;
-  float* w = p.slot_weights + size_t(t) * slots;
-  if (lane < p.top_k) {
-    ids[lane] = my_id;
-    w[lane] = my_score / sum;
-    // Routing statistics: mark the experts the step's real tokens chose (the count is read on the
-    // device, so a recorded step counts each replay's own).
-    if (p.routed_flags && t < *p.num_real_tokens) p.routed_flags[my_id] = 1;
-  }
-  for (int i = lane; i < p.num_shared; i += 32) {
-    ids[p.top_k + i] = E + i;
-    w[p.top_k + i] = p.shared_weight;
-  }
+  store_route(p, t, route_top_k(p, t, lane), lane);
 }
 
 // ----------------------------------------------------------------------------------------------
@@ -744,16 +678,21 @@ bool scale_words_ok(const uint8_t* scale, int K) {
   return (K / 32) % 4 == 0 && (reinterpret_cast<uintptr_t>(scale) & 3u) == 0;
 }
 
+void check_route(const RouteKernelParams& p, const std::string& who) {
+  check_arg(p.num_tokens >= 0, who + ": num_tokens < 0");
+  check_arg(p.num_tokens == 0 || (p.logits && p.bias && p.slot_ids && p.slot_weights),
+            who + ": routing needs logits, bias, slot ids and slot weights");
+  check_arg(p.num_experts >= 1 && p.num_experts <= 32 * kRouteMaxPerLane, who + ": num_experts must be in [1, 256]");
+  check_arg(p.top_k >= 1 && p.top_k <= 32 && p.top_k <= p.num_experts,
+            who + ": top_k must be in [1, min(32, num_experts)]");
+  check_arg(p.num_shared >= 0, who + ": num_shared < 0");
+  check_arg(!p.routed_flags || p.num_real_tokens, who + ": routed_flags need num_real_tokens");
+}
+
 }  // namespace
 
 void launch_route(const RouteKernelParams& p, cudaStream_t stream) {
-  check_arg(p.num_tokens >= 0, "launch_route: num_tokens < 0");
-  check_arg(p.num_experts >= 1 && p.num_experts <= 32 * kRouteMaxPerLane,
-            "launch_route: num_experts must be in [1, 256]");
-  check_arg(p.top_k >= 1 && p.top_k <= 32 && p.top_k <= p.num_experts,
-            "launch_route: top_k must be in [1, min(32, num_experts)]");
-  check_arg(p.num_shared >= 0, "launch_route: num_shared < 0");
-  check_arg(!p.routed_flags || p.num_real_tokens, "launch_route: routed_flags need num_real_tokens");
+  check_route(p, "launch_route");
   if (p.num_tokens == 0) return;
   const int blocks = (p.num_tokens + kRouteWarps - 1) / kRouteWarps;
   launch_pdl(route_kernel, dim3(unsigned(blocks)), dim3(kRouteWarps * 32), 0, stream, true, p);
@@ -790,10 +729,18 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   auto* y = reinterpret_cast<float*>(ws + l.y);
   const int pairs = p.num_tokens * p.slots;
 
+  const bool route_here = p.route.logits != nullptr;
+  if (route_here) {
+    check_route(p.route, "launch_moe's routing");
+    check_arg(p.route.num_tokens == p.num_tokens && p.route.top_k + p.route.num_shared == p.slots &&
+                  p.route.slot_ids == p.slot_ids && p.route.slot_weights == p.slot_weights,
+              "launch_moe: its routing must write this layer's slot ids and weights, for its tokens and slots");
+  }
   if (p.tuning.single_token_gemv && moe_gemv_fits(p)) {
-    launch_moe_gemv(p, act, p.tuning.pdl, stream);
+    launch_moe_gemv(p, act, p.tuning.pdl, stream);  // routes inside its kernels when route_here
     return;
   }
+  if (route_here) launch_route(p.route, stream);
 
   // Measured on an H200 (docs/PERF.md): 8-pair blocks are fastest up to 64 tokens, 16 at 128, 32
   // beyond; PDL gains ~3 us at small batches and loses up to 6% at 128+ tokens (I = 3072); the down

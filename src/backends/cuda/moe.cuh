@@ -71,6 +71,11 @@ struct MoeKernelParams {
   float scale = 1.0f;
   void* workspace = nullptr;  // moe_workspace_bytes(...) bytes
   size_t workspace_bytes = 0;
+  // Routing inside the layer (optional). When route.logits is set, launch_moe first routes the
+  // tokens into slot_ids and slot_weights (route.slot_ids and route.slot_weights must be those, and
+  // route's shape this layer's): launch_route for several tokens, while a single token is routed by
+  // the two GEMV kernels themselves, from the logits, with no launch of its own. Same bits either way.
+  RouteKernelParams route;
   MoeTuning tuning;  // the measured best unless a benchmark or test asks otherwise
 };
 

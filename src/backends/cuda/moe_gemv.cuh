@@ -1,15 +1,21 @@
 // The MoE layer for a single token (the batch-1 decode step), inside launch_moe: with one token every
 // (token, slot) pair has its own expert row and nothing is shared between pairs, so the alignment,
 // the token-blocked GEMMs and the combine of the general path reduce to two weight-streaming GEMVs:
-//   1. gate_up + SwiGLU-OAI: act[s, j] = swiglu(x . Wgu[e_s][j], x . Wgu[e_s][I + j]), one warp per
-//      (slot, j), both rows of the pair read by the same warp;
-//   2. down + combine: out[n] = bf16(scale * sum_s w_s * (act[s] . Wdown[e_s][n])), one block per
-//      two hidden rows, its warps splitting the slots, the sums added in slot order: no fp32 y
+//   1. gate_up + SwiGLU-OAI: act[s, j] = swiglu(x . Wgu[e_s][j], x . Wgu[e_s][I + j]), one warp (or,
+//      where (slot, j) pairs are few, 2-4 warps splitting k) per (slot, j), both rows of the pair
+//      read together;
+//   2. down + combine: out[n] = bf16(scale * sum_s w_s * (act[s] . Wdown[e_s][n])), a warp per four
+//      hidden rows walking every slot's rows, the sums added in slot order in registers: no fp32 y
 //      buffer, no combine launch.
-// Three launches a MoE layer (route, these two) instead of five. Bytes as the general path: each
-// slot's expert rows once. The down kernel starts loading its weights before the PDL wait (the slot
-// ids come from the router, two launches back and therefore complete; see kernel_utils.cuh).
-// Slot ids outside [0, num_rows) make the token's output NaN, as in the general path.
+// Both run a grid of the blocks resident at once and loop over their work.
+// When the layer routes inside (MoeKernelParams::route), both kernels run the router's top-k
+// themselves from its logits (route_top_k.cuh, the router kernel's own code): a MoE layer is then
+// three launches (the router's GEMV and these two), where the general path takes six (the GEMV,
+// route, align, two GEMMs, combine). Bytes as the general
+// path: each slot's expert rows once. The down kernel routes and starts loading its weights before
+// the PDL wait (the router's logits or slot ids are two launches back and therefore complete; see
+// kernel_utils.cuh). Slot ids outside [0, num_rows) make the token's output NaN, as in the general
+// path.
 #pragma once
 
 #include <cuda_runtime.h>
