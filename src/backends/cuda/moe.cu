@@ -1,10 +1,11 @@
 // The routed MoE layer on the GPU (SPEC §1.6, §1.8, §4 shared-expert fusion).
 //
-// Router: logits[T, E] (fp32) -> slot_ids/slot_weights[T, k + n]. One warp per token: sigmoid in
-//   fp32, k rounds of a warp argmax of score + bias (ties to the lower id, as the CPU oracle),
-//   weights = score / sum of the k chosen scores (summed in choice order, as the oracle), then the
-//   n shared slots E..E+n-1 with weight shared_weight. E <= 256 (8 values per lane in registers).
-//   Bytes: T*E*4 + E*4 read, T*(k+n)*8 written.
+// Router: logits[T, E] (fp32) -> slot_ids/slot_weights[T, k + n]. One warp per token (route_top_k.cuh):
+//   sigmoid in fp32, k rounds of a warp argmax of score + bias (ties to the lower id, as the CPU
+//   oracle), weights = score / sum of the k chosen scores (summed in choice order, as the oracle),
+//   then the n shared slots E..E+n-1 with weight shared_weight. E <= 256 (8 values per lane in
+//   registers). Bytes: T*E*4 + E*4 read, T*(k+n)*8 written. launch_moe runs it first when the layer
+//   routes itself (MoeKernelParams::route), except for a single token, whose GEMVs route inside.
 //
 // Experts: a single token (the batch-1 decode step) takes the two GEMV kernels of moe_gemv.cuh
 // unless MoeTuning says otherwise. Otherwise four launches, all with grids computed from the
