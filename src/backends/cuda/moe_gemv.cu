@@ -303,7 +303,8 @@ void launch_kernels(const MoeGemvParams& g, bool pdl, cudaStream_t stream) {
 
 // Warps per gate_up item: split k (by powers of two, each warp keeping at least two steps) until
 // the items fill about 32 warps an SM (the tp-8 width, 5 slots x 384 rows, splits 4 ways; the tp-1
-// width does not split). Depends on the shape only, so a layer's bits do not change run to run.
+// width does not split). Depends on the shape and the GPU's SM count only, so on one GPU a layer's
+// bits do not change from run to run.
 template <bool kFp8>
 int choose_split(const MoeGemvParams& g) {
   const int64_t items = int64_t(g.slots) * g.inter, target = int64_t(sm_count()) * 32;
