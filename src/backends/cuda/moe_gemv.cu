@@ -38,10 +38,9 @@ struct MoeGemvParams {
 // 32-element block (MXFP8; 127 = 1.0 otherwise and past the row's end).
 template <bool kFp8>
 struct RowReader {
-  const uint8_t* w = nullptr;
-  const uint8_t* scale = nullptr;
-  int K = 0;
-  RowReader() = default;
+  const uint8_t* w;
+  const uint8_t* scale;
+  int K;
   __device__ RowReader(const uint8_t* base, const uint8_t* scale_base, size_t row, int K_)
       : w(base + row * size_t(K_) * (kFp8 ? 1 : 2)),
         scale(kFp8 ? scale_base + row * size_t(K_ / 32) : nullptr),
