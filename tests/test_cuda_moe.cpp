@@ -187,6 +187,7 @@ struct MoeDevice {
         workspace(cuda::moe_workspace_bytes(max_tokens, in.slots, in.H, in.I, in.R)) {
     CUDA_CHECK(cudaMemcpy(gate_up.get(), in.gate_up.data(), in.gate_up.size() * 2, cudaMemcpyHostToDevice));
     CUDA_CHECK(cudaMemcpy(down.get(), in.down.data(), in.down.size() * 2, cudaMemcpyHostToDevice));
+    workspace.poison();  // launch_moe must not depend on what an earlier call left there
     p.x = x.get();
     p.slot_ids = ids.get();
     p.slot_weights = weights.get();
@@ -351,7 +352,9 @@ TEST(CudaMoeExperts, EveryTokenBlockWidthAndLaunchMode) {
 
 // One token runs the two GEMV kernels of moe_gemv.cuh unless told otherwise: both against the oracle,
 // with and without PDL, at shapes with the shared row, repeats within the token, widths the GEMVs
-// decline (H % 8 != 0: the general path), the tp-8 slice width and gate_up's k split.
+// decline (H % 8 != 0: the general path), the tp-8 slice width and gate_up's k split. The down
+// kernel splits the slots across a block's warps below 2 row groups of 4 an SM (on an H200: H < 1056,
+// with several slots a warp at 11 slots) and walks them in one warp above (H = 1536, 2056).
 TEST(CudaMoeExperts, SingleTokenPath) {
   TPMOE_REQUIRE_GPU();
   std::vector<std::pair<MoeInputs, std::string>> cases;
@@ -397,8 +400,9 @@ TEST(CudaMoeExperts, RoutingInsideTheLayerMatchesRoutingFirst) {
   struct Shape {
     int T, E, k, n, H, I;
   };
+  // H = 2304: the down kernel's slot walk; the narrower ones: its slot split (moe_gemv.cu).
   for (const Shape s : {Shape{1, 128, 4, 1, 1024, 384}, Shape{1, 40, 8, 2, 256, 64}, Shape{1, 16, 4, 0, 128, 72},
-                        Shape{6, 128, 4, 1, 256, 128}}) {
+                        Shape{1, 16, 4, 1, 2304, 64}, Shape{6, 128, 4, 1, 256, 128}}) {
     const int slots = s.k + s.n;
     const MoeInputs in =
         make_inputs(s.T, slots, s.H, s.I, s.E + s.n, 1.5f, std::vector<int32_t>(size_t(s.T) * slots, 0), 131 + s.E);

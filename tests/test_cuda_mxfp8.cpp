@@ -249,6 +249,9 @@ TEST(CudaMxfp8Moe, MatchesOracleAtAwkwardShapes) {
   check_moe_fp8(1, 8, 4, 1024, 384, "T=1 H=1024 I=384, single-token GEMVs");
   check_moe_fp8(1, 8, 4, 1024, 384, "T=1 H=1024 I=384, general path", false);
   check_moe_fp8(1, 7, 3, 160, 64, "T=1 E=7 k=3 H=160 I=64, single-token GEMVs");
+  // The down GEMV's two forms: the slot split above (few row groups), the slot walk here (on an H200:
+  // 576 row groups of 4, at least 2 an SM).
+  check_moe_fp8(1, 8, 4, 2304, 96, "T=1 E=8 k=4 H=2304 I=96, single-token GEMVs (down walks the slots)");
 }
 
 // ---- device quantizer --------------------------------------------------------------------------

@@ -18,6 +18,8 @@ namespace tpmoe::cuda {
 namespace {
 
 constexpr int kWarps = 4;  // per block
+// The slot-split down kernel: at most this many warps a block (one a slot), and slots a token.
+constexpr int kMaxSlotWarps = 8, kMaxGemvSlots = 32;
 
 struct MoeGemvParams {
   const uint16_t* x = nullptr;  // [hidden] bf16 bits
@@ -186,6 +188,39 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_gate_up_gemv_kernel(const M
   }
 }
 
+// The down kernels' step on one slot's kRows rows n0.. (clamped to the last row; unused past it):
+// load_down issues the 16-byte loads (and MXFP8 scales) of chunk k0 (this lane's first element),
+// dot_down adds them times act[k] into acc. A slot row outside [0, num_rows) reads nothing.
+template <bool kFp8, int kRows, int kLoads>
+__device__ __forceinline__ void load_down(const MoeGemvParams& p, int e, int n0, int k0, uint4 (&w)[kRows * kLoads],
+                                          uint32_t (&sc)[kRows * kLoads]) {
+  constexpr int kPass = kWarp * (kFp8 ? 16 : 8);
+  const bool live = e >= 0 && e < p.num_rows;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const int n = min(n0 + r, p.hidden - 1);
+    const RowReader<kFp8> row(p.down, p.down_scale, size_t(live ? e : 0) * p.hidden + n, live ? p.inter : 0);
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      w[r * kLoads + i] = row.load(k0 + i * kPass);
+      sc[r * kLoads + i] = row.load_scale(k0 + i * kPass);
+    }
+  }
+}
+template <bool kFp8, int kRows, int kLoads>
+__device__ __forceinline__ void dot_down(const MoeGemvParams& p, const uint16_t* act, int k0,
+                                         const uint4 (&w)[kRows * kLoads], const uint32_t (&sc)[kRows * kLoads],
+                                         float (&acc)[kRows]) {
+  constexpr int kPass = kWarp * (kFp8 ? 16 : 8);
+#pragma unroll
+  for (int i = 0; i < kLoads; ++i) {
+    const int k = k0 + i * kPass;
+    if (k >= p.inter) break;
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) acc[r] = dot_load<kFp8>(w[r * kLoads + i], sc[r * kLoads + i], act, k, acc[r]);
+  }
+}
+
 // down: a warp takes kRows hidden rows at a time (row groups w, w + warps, ...) and walks every
 // slot's rows of them in slot order, one pipeline over (slot, k chunk): out[n] = scale * sum_s w_s *
 // (act[s] . Wdown[e_s][n]), the sums in slot order, all in registers. The slots are routed by each
@@ -215,30 +250,11 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_down_gemv_kernel(const MoeG
         p.slots * chunks,
         [&](int t, uint4(&w)[kRows * kLoads], uint32_t(&sc)[kRows * kLoads]) {
           const int s = t / chunks, k0 = (t % chunks) * kLoads * kPass + lane * kPerLoad;
-          const int e = slots.row(p, s);
-          const bool live = e >= 0 && e < p.num_rows;
-#pragma unroll
-          for (int r = 0; r < kRows; ++r) {
-            const int n = min(n0 + r, p.hidden - 1);  // a row past the end repeats the last one, unused
-            const RowReader<kFp8> row(p.down, p.down_scale, size_t(live ? e : 0) * p.hidden + n, live ? p.inter : 0);
-#pragma unroll
-            for (int i = 0; i < kLoads; ++i) {
-              w[r * kLoads + i] = row.load(k0 + i * kPass);
-              sc[r * kLoads + i] = row.load_scale(k0 + i * kPass);
-            }
-          }
+          load_down<kFp8, kRows, kLoads>(p, slots.row(p, s), n0, k0, w, sc);
         },
         [&](int t, const uint4(&w)[kRows * kLoads], const uint32_t(&sc)[kRows * kLoads]) {
           const int s = t / chunks, c = t % chunks, k0 = c * kLoads * kPass + lane * kPerLoad;
-          const uint16_t* act = p.act + size_t(s) * p.inter;
-#pragma unroll
-          for (int i = 0; i < kLoads; ++i) {
-            const int k = k0 + i * kPass;
-            if (k >= p.inter) break;
-#pragma unroll
-            for (int r = 0; r < kRows; ++r)
-              acc[r] = dot_load<kFp8>(w[r * kLoads + i], sc[r * kLoads + i], act, k, acc[r]);
-          }
+          dot_down<kFp8, kRows, kLoads>(p, p.act + size_t(s) * p.inter, k0, w, sc, acc);
           if (c == chunks - 1) {  // the slot's rows are done: weigh them in, in slot order
             const int e = slots.row(p, s);
             bad |= e < 0 || e >= p.num_rows;
@@ -261,9 +277,66 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_down_gemv_kernel(const MoeG
   wait_once();
 }
 
+// down where row groups are few (a narrow hidden: small models, tests): the walk above would leave
+// most of the GPU idle, each warp's slots one chain. Here a block takes one row group and its warps
+// split the slots (warp w: slots w, w + warps, ...; the block has at most `slots` warps, so each has
+// one); each stores its rows' weighted sums to shared memory and, after the block's barrier, warp 0
+// adds them in slot order: the bits of the walk above.
+template <bool kFp8, int kRows, int kLoads>
+__global__ void __launch_bounds__(kMaxSlotWarps* kWarp) moe_down_slots_gemv_kernel(const MoeGemvParams p) {
+  constexpr int kPerLoad = kFp8 ? 16 : 8, kPass = kWarp * kPerLoad;
+  __shared__ float part[kMaxGemvSlots][kRows];
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
+  const int n0 = blockIdx.x * kRows;
+  const TokenSlots slots = token_slots(p, lane);
+  bool waited = false;
+  auto wait_once = [&] {
+    if (!waited) {
+      pdl_wait();
+      pdl_trigger();
+      waited = true;
+    }
+  };
+  const int chunks = (p.inter + kLoads * kPass - 1) / (kLoads * kPass);  // steps per slot
+  const int mine = (p.slots - warp + warps - 1) / warps;                 // this warp's slots
+  float acc[kRows] = {};
+  pipeline<kRows * kLoads>(
+      mine * chunks,
+      [&](int t, uint4(&w)[kRows * kLoads], uint32_t(&sc)[kRows * kLoads]) {
+        const int s = warp + (t / chunks) * warps, k0 = (t % chunks) * kLoads * kPass + lane * kPerLoad;
+        load_down<kFp8, kRows, kLoads>(p, slots.row(p, s), n0, k0, w, sc);
+      },
+      [&](int t, const uint4(&w)[kRows * kLoads], const uint32_t(&sc)[kRows * kLoads]) {
+        const int s = warp + (t / chunks) * warps, c = t % chunks, k0 = c * kLoads * kPass + lane * kPerLoad;
+        dot_down<kFp8, kRows, kLoads>(p, p.act + size_t(s) * p.inter, k0, w, sc, acc);
+        if (c < chunks - 1) return;
+        // The slot's rows are done: their weighted sums (NaN for a slot row outside [0, num_rows)).
+        const int e = slots.row(p, s);
+        const bool bad = e < 0 || e >= p.num_rows;
+        const float ws = slots.weight(p, s);
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+          const float v = ws * warp_sum(acc[r]);
+          if (lane == r) part[s][r] = bad ? __int_as_float(0x7fc00000) : v;
+          acc[r] = 0.f;
+        }
+      },
+      wait_once);
+  wait_once();
+  __syncthreads();
+  if (warp == 0 && lane < kRows && n0 + lane < p.hidden) {
+    float total = 0.f;
+    for (int s = 0; s < p.slots; ++s) total += part[s][lane];
+    p.out[n0 + lane] = __float2bfloat16_rn(p.scale * total);
+  }
+}
+
 // Measured on an H200 at batch 1 (docs/PERF.md): two loads per gate_up step, four down rows a warp
 // with two loads per row and step; more loads in flight per warp measured slower at both widths.
 constexpr int kGateLoads = 2, kDownRows = 4, kDownLoads = 2;
+// Below this many row groups an SM the down kernel splits the slots across warps (docs/PERF.md: the
+// tiny preset's step); at the m3 widths (1536 groups) the walk is the faster form.
+constexpr int kSlotSplitGroupsPerSm = 2;
 constexpr int kMaxDevices = 64;
 
 int sm_count() {
@@ -295,8 +368,16 @@ void launch_kernels(const MoeGemvParams& g, bool pdl, cudaStream_t stream) {
   const int gate_up_work = int((int64_t(g.slots) * g.inter * kSplit + kWarps - 1) / kWarps);
   const int down_work = (g.hidden + kDownRows * kWarps - 1) / (kDownRows * kWarps);
   const int gate_up_grid = std::min(gate_up_work, resident_grid(gate_up));
-  const int down_grid = std::min(down_work, resident_grid(down));
   launch_pdl(gate_up, dim3(unsigned(gate_up_grid)), dim3(kWarps * kWarp), 0, stream, pdl, g);
+  const int groups = (g.hidden + kDownRows - 1) / kDownRows;
+  if (groups < kSlotSplitGroupsPerSm * sm_count()) {
+    // Few row groups: a block each (all resident at once), its warps splitting the slots.
+    const int warps = std::min(g.slots, kMaxSlotWarps);
+    launch_pdl(moe_down_slots_gemv_kernel<kFp8, kDownRows, kDownLoads>, dim3(unsigned(groups)),
+               dim3(unsigned(warps * kWarp)), 0, stream, pdl, g);
+    return;
+  }
+  const int down_grid = std::min(down_work, resident_grid(down));
   launch_pdl(down, dim3(unsigned(down_grid)), dim3(kWarps * kWarp), 0, stream, pdl, g);
 }
 
@@ -327,9 +408,9 @@ void launch_format(const MoeGemvParams& g, bool pdl, cudaStream_t stream) {
 bool moe_gemv_fits(const MoeKernelParams& p) {
   const bool fp8 = p.gate_up_scale != nullptr;
   const int multiple = fp8 ? 32 : 8;
-  return p.num_tokens == 1 && p.slots >= 1 && int64_t(p.slots) * p.inter * kWarps <= 0x7fffffff &&
-         p.hidden % multiple == 0 && p.inter % multiple == 0 && aligned16(p.x) && aligned16(p.gate_up) &&
-         aligned16(p.down);
+  return p.num_tokens == 1 && p.slots >= 1 && p.slots <= kMaxGemvSlots &&
+         int64_t(p.slots) * p.inter * kWarps <= 0x7fffffff && p.hidden % multiple == 0 && p.inter % multiple == 0 &&
+         aligned16(p.x) && aligned16(p.gate_up) && aligned16(p.down);
 }
 
 void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStream_t stream) {

@@ -6,8 +6,11 @@
 //      read together;
 //   2. down + combine: out[n] = bf16(scale * sum_s w_s * (act[s] . Wdown[e_s][n])), a warp per four
 //      hidden rows walking every slot's rows, the sums added in slot order in registers: no fp32 y
-//      buffer, no combine launch.
-// Both run a grid of the blocks resident at once and loop over their work.
+//      buffer, no combine launch. Where those row groups are few (a narrow hidden), a block per
+//      group instead, its warps splitting the slots and warp 0 adding their sums in slot order
+//      (the same bits).
+// Both run a grid of the blocks resident at once and loop over their work (the slot-split down
+// kernel: a block per group, all resident).
 // When the layer routes inside (MoeKernelParams::route), both kernels run the router's top-k
 // themselves from its logits (route_top_k.cuh, the router kernel's own code): a MoE layer is then
 // three launches (the router's GEMV and these two), where the general path takes six (the GEMV,
