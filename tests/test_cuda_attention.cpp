@@ -13,6 +13,9 @@
 // product is a multiple of 1/16 and every sum of up to 256 of them is exact in fp32, whatever the
 // order. Scores are then bit-identical on both sides, ties are exact, and the tie rule (lower block
 // index wins) is exercised for real.
+//
+// CudaRotateAndAttend (at the end) holds the model's fused path - norm + RoPE storing the keys into
+// the cache, attention without its cache write - to the bits of the unfused ops.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,6 +28,7 @@
 
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/attention.cuh"
+#include "backends/cuda/cuda_ops.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "model/ops.h"
@@ -365,6 +369,293 @@ TEST(CudaAttentionErrors, UnsupportedHeadDimThrows) {
     FAIL() << "launch_attention accepted head_dim=96";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("unsupported head_dim=96"), std::string::npos) << e.what();
+  }
+}
+
+// ---- CudaOps::rotate_and_attend ------------------------------------------------------------------
+// The model's path: one launch norms and rotates q, k, index q and index k and also stores k, v and
+// index k into the layer's cache, then attention runs without its cache-write launch. Held to exactly
+// the bits of the unfused ops (head_norm_rope, then attention, whose first launch writes the cache)
+// on a second CudaOps fed the same inputs: the output, the rotated tensors and the whole cache pool
+// (poisoned first, so a row stored in the wrong place, or not at all, differs). A prefill step of two
+// sequences, then decode steps of 1 and 3 tokens that read what the earlier steps stored, over a
+// shuffled page table. Steps run as recorded graphs (run_step, the production decode path), and the
+// fused recording must hold exactly one launch fewer.
+
+struct RotateCase {
+  const char* name;
+  int nq, nkv, hd, rd;
+  bool sparse;
+  int ihd, bs, topk, local;  // indexer (sparse only)
+};
+
+std::ostream& operator<<(std::ostream& os, const RotateCase& c) { return os << c.name; }
+
+constexpr int kRotateSlots = 4, kRotateMaxLen = 256, kRotateMaxTokens = 64;
+
+std::vector<uint16_t> device_bits(const void* p, size_t n) {
+  std::vector<uint16_t> host(n);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaMemcpy(host.data(), p, n * sizeof(uint16_t), cudaMemcpyDeviceToHost));
+  return host;
+}
+
+// The norm weights of one layer (fp32 on the device), shared by both runs.
+struct RotateWeights {
+  DeviceBuffer<float> q, k, iq, ik;
+  explicit RotateWeights(const RotateCase& c)
+      : q(random_floats(size_t(c.hd), 0.1f, 11)),
+        k(random_floats(size_t(c.hd), 0.1f, 12)),
+        iq(random_floats(size_t(std::max(c.ihd, 1)), 0.1f, 13)),
+        ik(random_floats(size_t(std::max(c.ihd, 1)), 0.1f, 14)) {}
+};
+
+// One step's inputs: the projections' outputs, bf16.
+struct RotateInputs {
+  std::vector<bf16> q, k, v, iq, ik;
+};
+
+// What a step left behind: bits of the output and of the (rotated) inputs, the launches recorded.
+struct RotateResult {
+  std::vector<uint16_t> out, q, k, v, iq, ik;
+  int launches = 0;
+};
+
+// One CudaOps with one cache layer, running steps fused or unfused.
+class RotateRun {
+ public:
+  RotateRun(const RotateCase& c, bool fused, const std::vector<int32_t>& page_table)
+      : c_(c), fused_(fused), page_table_(page_table), ops_(reserve(c)) {
+    shape_.num_layers = 1;
+    shape_.sparse_layer = {c.sparse};
+    shape_.num_kv_heads = c.nkv;
+    shape_.head_dim = c.hd;
+    shape_.index_head_dim = c.sparse ? c.ihd : 0;
+    shape_.max_seqs = kRotateSlots;
+    shape_.max_len = kRotateMaxLen;
+    shape_.page_size = 1 << kPageShift;
+    shape_.num_pages = kRotateSlots * shape_.pages_per_seq();
+    ops_.init_cache(shape_);
+    const cuda::KvCacheLayer& layer = ops_.cache_layer(0);
+    CUDA_CHECK(cudaMemset(layer.k, 0xFF, kv_elems() * sizeof(bf16)));
+    CUDA_CHECK(cudaMemset(layer.v, 0xFF, kv_elems() * sizeof(bf16)));
+    if (c.sparse) CUDA_CHECK(cudaMemset(layer.index_k, 0xFF, index_elems() * sizeof(bf16)));
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+
+  static cuda::CudaReserve reserve(const RotateCase& c) {
+    cuda::CudaReserve r;
+    r.max_tokens = kRotateMaxTokens;
+    r.arena_bytes = 8 << 20;
+    r.num_q_heads = c.nq;
+    r.num_index_heads = c.sparse ? c.nkv : 0;
+    r.head_dim = c.hd;
+    r.block_size = c.sparse ? c.bs : 1;
+    r.topk_blocks = c.sparse ? c.topk : 1;
+    return r;
+  }
+
+  size_t kv_elems() const { return size_t(shape_.num_pages) * shape_.page_size * c_.nkv * c_.hd; }
+  size_t index_elems() const { return c_.sparse ? size_t(shape_.num_pages) * shape_.page_size * c_.ihd : 0; }
+  const CacheShape& shape() const { return shape_; }
+  cuda::CudaOps& ops() { return ops_; }
+
+  // The layer's tensors for a step of T tokens, uploaded; `rotate` as Model::attention builds it.
+  struct Layer {
+    Tensor q, k, v, iq, ik, out;
+    std::vector<HeadNormRope> rotate;
+    AttentionParams p;
+  };
+  Layer upload(int T, const RotateInputs& in, const RotateWeights& w) {
+    Layer l;
+    const RopeParams rope{c_.hd, c_.rd, 5e6f, 1e-6f}, index_rope{c_.ihd, c_.rd, 5e6f, 1e-6f};
+    auto make = [&](const std::vector<bf16>& host, int64_t cols) {
+      Tensor t = ops_.alloc(T, cols);
+      CUDA_CHECK(cudaMemcpy(t.data, host.data(), t.nbytes(), cudaMemcpyHostToDevice));
+      return t;
+    };
+    l.q = make(in.q, int64_t(c_.nq) * c_.hd);
+    l.k = make(in.k, int64_t(c_.nkv) * c_.hd);
+    l.v = make(in.v, int64_t(c_.nkv) * c_.hd);
+    l.out = ops_.alloc(T, int64_t(c_.nq) * c_.hd);
+    CUDA_CHECK(cudaMemset(l.out.data, 0xFF, l.out.nbytes()));  // NaN until written
+    l.rotate = {{l.q, c_.nq, Tensor::make(w.q.get(), DType::kF32, c_.hd), rope},
+                {l.k, c_.nkv, Tensor::make(w.k.get(), DType::kF32, c_.hd), rope}};
+    l.p.layer = 0;
+    l.p.num_q_heads = c_.nq;
+    l.p.num_kv_heads = c_.nkv;
+    l.p.head_dim = c_.hd;
+    l.p.scale = 1.f / std::sqrt(float(c_.hd));
+    if (c_.sparse) {
+      l.iq = make(in.iq, int64_t(c_.nkv) * c_.ihd);
+      l.ik = make(in.ik, c_.ihd);
+      l.rotate.push_back({l.iq, c_.nkv, Tensor::make(w.iq.get(), DType::kF32, c_.ihd), index_rope});
+      l.rotate.push_back({l.ik, 1, Tensor::make(w.ik.get(), DType::kF32, c_.ihd), index_rope});
+      l.p.num_index_heads = c_.nkv;
+      l.p.index_head_dim = c_.ihd;
+      l.p.block_size = c_.bs;
+      l.p.topk_blocks = c_.topk;
+      l.p.local_blocks = c_.local;
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return l;
+  }
+
+  RotateResult step(const std::vector<int32_t>& slots, const std::vector<int32_t>& positions, const RotateInputs& in,
+                    const RotateWeights& w, int key) {
+    const int T = int(slots.size());
+    StepTokens st;
+    st.token_ids.assign(size_t(T), 0);
+    st.positions = positions;
+    st.seq_slots = slots;
+    st.page_table = page_table_;
+    ops_.begin_step(st);
+    const Layer l = upload(T, in, w);
+    ops_.run_step(key, [&] {
+      if (fused_) {
+        ops_.rotate_and_attend(l.rotate, l.q, l.k, l.v, l.iq, l.ik, l.p, l.out);
+      } else {
+        ops_.head_norm_rope(l.rotate);
+        ops_.attention(l.q, l.k, l.v, l.iq, l.ik, l.p, l.out);
+      }
+      return l.out;
+    });
+    RotateResult r;
+    r.out = device_bits(l.out.data, size_t(l.out.numel()));
+    r.q = device_bits(l.q.data, size_t(l.q.numel()));
+    r.k = device_bits(l.k.data, size_t(l.k.numel()));
+    r.v = device_bits(l.v.data, size_t(l.v.numel()));
+    if (c_.sparse) {
+      r.iq = device_bits(l.iq.data, size_t(l.iq.numel()));
+      r.ik = device_bits(l.ik.data, size_t(l.ik.numel()));
+    }
+    r.launches = ops_.last_step_launches();
+    return r;
+  }
+
+  std::vector<uint16_t> k_pool() const { return device_bits(ops_.cache_layer(0).k, kv_elems()); }
+  std::vector<uint16_t> v_pool() const { return device_bits(ops_.cache_layer(0).v, kv_elems()); }
+  std::vector<uint16_t> index_pool() const {
+    return c_.sparse ? device_bits(ops_.cache_layer(0).index_k, index_elems()) : std::vector<uint16_t>{};
+  }
+
+ private:
+  RotateCase c_;
+  bool fused_;
+  std::vector<int32_t> page_table_;
+  CacheShape shape_;
+  cuda::CudaOps ops_;
+};
+
+size_t count_differences(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  if (a.size() != b.size()) return std::max(a.size(), b.size());
+  size_t n = 0;
+  for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
+  return n;
+}
+
+class CudaRotateAndAttend : public ::testing::TestWithParam<RotateCase> {};
+
+TEST_P(CudaRotateAndAttend, BitwiseTheUnfusedOpsWithOneLaunchFewer) {
+  TPMOE_REQUIRE_GPU();
+  const RotateCase& c = GetParam();
+  const RotateWeights w(c);
+  CacheShape shape;  // for the page table's size only
+  shape.max_len = kRotateMaxLen;
+  shape.page_size = 1 << kPageShift;
+  shape.num_pages = kRotateSlots * shape.pages_per_seq();
+  const std::vector<int32_t> table = shuffled_page_table(shape, 91);
+  RotateRun fused(c, true, table), unfused(c, false, table);
+
+  struct Step {
+    std::string what;
+    std::vector<int32_t> slots, positions;
+  };
+  std::vector<Step> steps(3);
+  steps[0].what = "prefill: slot 2 positions 0..36, slot 0 positions 0..19";
+  for (const auto& [slot, length] : {std::pair{2, 37}, std::pair{0, 20}})
+    for (int pos = 0; pos < length; ++pos) {
+      steps[0].slots.push_back(slot);
+      steps[0].positions.push_back(pos);
+    }
+  steps[1] = {"decode, T=1", {2}, {37}};
+  steps[2] = {"decode, T=3", {2, 0, 3}, {38, 20, 0}};
+  uint64_t seed = 4000;
+  for (size_t s = 0; s < steps.size(); ++s) {
+    SCOPED_TRACE(steps[s].what);
+    const int T = int(steps[s].slots.size());
+    RotateInputs in;
+    in.q = to_bf16(random_floats(size_t(T) * c.nq * c.hd, 1.f, seed++));
+    in.k = to_bf16(random_floats(size_t(T) * c.nkv * c.hd, 1.f, seed++));
+    in.v = to_bf16(random_floats(size_t(T) * c.nkv * c.hd, 1.f, seed++));
+    if (c.sparse) {
+      in.iq = to_bf16(random_floats(size_t(T) * c.nkv * c.ihd, 1.f, seed++));
+      in.ik = to_bf16(random_floats(size_t(T) * c.ihd, 1.f, seed++));
+    }
+    const RotateResult a = fused.step(steps[s].slots, steps[s].positions, in, w, int(s));
+    const RotateResult b = unfused.step(steps[s].slots, steps[s].positions, in, w, int(s));
+
+    // bf16 is finite iff its exponent bits are not all ones (the 0xFFFF poison is a NaN).
+    EXPECT_EQ(std::count_if(a.out.begin(), a.out.end(), [](uint16_t x) { return (x & 0x7F80) == 0x7F80; }), 0)
+        << "output elements left unwritten (NaN poison) or non-finite";
+    EXPECT_EQ(count_differences(a.out, b.out), 0u) << "attention output";
+    EXPECT_EQ(count_differences(a.q, b.q), 0u) << "q after norm + RoPE";
+    EXPECT_EQ(count_differences(a.k, b.k), 0u) << "k after norm + RoPE";
+    EXPECT_EQ(count_differences(a.v, b.v), 0u) << "v";
+    EXPECT_EQ(count_differences(a.iq, b.iq), 0u) << "index q after norm + RoPE";
+    EXPECT_EQ(count_differences(a.ik, b.ik), 0u) << "index k after norm + RoPE";
+    EXPECT_EQ(count_differences(fused.k_pool(), unfused.k_pool()), 0u) << "K cache pool";
+    EXPECT_EQ(count_differences(fused.v_pool(), unfused.v_pool()), 0u) << "V cache pool";
+    EXPECT_EQ(count_differences(fused.index_pool(), unfused.index_pool()), 0u) << "index-key cache pool";
+    // Not a vacuous equality: the step's rows hold its rotated k (both pools started as poison).
+    const std::vector<uint16_t> pool = fused.k_pool();
+    const size_t kv_row = size_t(c.nkv) * c.hd;
+    size_t stored = 0;
+    for (int t = 0; t < T; ++t) {
+      const size_t row = size_t(fused.shape().row(table, steps[s].slots[t], steps[s].positions[t]));
+      stored += std::equal(a.k.begin() + t * kv_row, a.k.begin() + (t + 1) * kv_row, pool.begin() + row * kv_row);
+    }
+    EXPECT_EQ(stored, size_t(T)) << "tokens whose cache row holds their rotated k";
+    EXPECT_EQ(b.launches - a.launches, 1) << "launches recorded: fused " << a.launches << ", unfused " << b.launches;
+  }
+}
+
+// name, nq, nkv, hd, rd, sparse, ihd, bs, topk, local
+INSTANTIATE_TEST_SUITE_P(Cases, CudaRotateAndAttend,
+                         ::testing::Values(RotateCase{"full_gqa4_hd128", 8, 2, 128, 64, false, 0, 0, 0, 0},
+                                           RotateCase{"sparse_gqa4_hd64_bs8_top2_local1", 8, 2, 64, 32, true, 128, 8, 2,
+                                                      1}),
+                         [](const ::testing::TestParamInfo<RotateCase>& info) { return std::string(info.param.name); });
+
+// k normalised with heads that are not the cache's (the same row width, split otherwise): the fused
+// store would put head h at the wrong place in the row, so the op refuses.
+TEST(CudaRotateAndAttendErrors, KeysWithOtherHeadsThanTheCacheThrow) {
+  TPMOE_REQUIRE_GPU();
+  const RotateCase c{"full", 8, 2, 128, 64, false, 0, 0, 0, 0};
+  const RotateWeights w(c);
+  CacheShape shape;
+  shape.max_len = kRotateMaxLen;
+  shape.page_size = 1 << kPageShift;
+  shape.num_pages = kRotateSlots * shape.pages_per_seq();
+  RotateRun run(c, true, shuffled_page_table(shape, 5));
+  StepTokens st;
+  st.token_ids = {0};
+  st.positions = {3};
+  st.seq_slots = {1};
+  run.ops().begin_step(st);
+  RotateInputs in;
+  in.q = to_bf16(random_floats(size_t(c.nq) * c.hd, 1.f, 1));
+  in.k = to_bf16(random_floats(size_t(c.nkv) * c.hd, 1.f, 2));
+  in.v = to_bf16(random_floats(size_t(c.nkv) * c.hd, 1.f, 3));
+  RotateRun::Layer l = run.upload(1, in, w);
+  l.rotate[1].num_heads = 2 * c.nkv;
+  l.rotate[1].rope.head_dim = c.hd / 2;
+  l.rotate[1].rope.rotary_dim = c.rd / 2;
+  try {
+    run.ops().rotate_and_attend(l.rotate, l.q, l.k, l.v, l.iq, l.ik, l.p, l.out);
+    FAIL() << "rotate_and_attend accepted k split into 4 heads of 64 for a cache of 2 heads of 128";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("does not fit layer 0's KV cache"), std::string::npos) << e.what();
   }
 }
 

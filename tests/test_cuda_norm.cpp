@@ -2,15 +2,19 @@
 // cpu::gemma_rmsnorm_row, head_norm_rope against cpu::CpuOps::head_norm_rope, on random inputs at
 // awkward shapes (rows 1/3/19/64, widths that are not multiples of the vector width, odd rotary
 // halves, positions up to ~5000). Outputs start poisoned with NaN (DeviceBuffer), so an element a
-// kernel forgot to write fails relative_l2.
+// kernel forgot to write fails relative_l2. head_norm_rope's store into the paged KV cache is
+// checked bit for bit against its own in-place result (and attention over it in
+// test_cuda_attention.cpp, CudaRotateAndAttend).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <numeric>
 #include <random>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "backends/cpu/cpu_ops.h"
@@ -256,6 +260,167 @@ TEST(CudaNorm, HeadNormRopeBatchEqualsOneLaunchEach) {
     const auto a = batched[i]->download(), b = single[i]->download();
     EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])), 0) << "tensor " << i;
   }
+}
+
+// The cache store (CudaOps::rotate_and_attend's launch): the items that store write each normed,
+// rotated head into its token's paged cache row too, and a copy item (v) lands there unchanged. x
+// must come out bitwise as without the store, every stored row must hold exactly x's (or v's) bits,
+// and nothing else of the cache may be touched (it starts poisoned, 0xFFFF per element). Tokens sit
+// in several slots at scattered positions of a shuffled page table (4 positions a page), so a row
+// computed without the table, or from the wrong token, lands somewhere else.
+TEST(CudaNorm, HeadNormRopeStoresIntoThePagedCache) {
+  TPMOE_REQUIRE_GPU();
+  struct StoreCase {
+    int tokens, heads, kv_heads, head_dim, rotary_dim, index_head_dim;
+  };
+  constexpr int kPageShift = 2, kPageSize = 1 << kPageShift, kSlots = 5, kMaxLen = 64;
+  constexpr int kPagesPerSeq = kMaxLen / kPageSize, kPoolRows = kSlots * kMaxLen;
+  const StoreCase cases[] = {
+      {1, 8, 2, 128, 64, 128},  // decode, m3-like
+      {19, 4, 1, 32, 16, 64},   //
+      {3, 2, 2, 256, 256, 32},  // the largest head: 32 vectors of 8, one per lane
+      {7, 3, 3, 64, 18, 100},   // rotary half 9; an index head of 100 (scalar store, no copy)
+  };
+  uint64_t seed = 500;
+  for (const StoreCase& c : cases) {
+    SCOPED_TRACE(testing::Message() << "tokens=" << c.tokens << " kv_heads=" << c.kv_heads << " head_dim=" << c.head_dim
+                                    << " rotary_dim=" << c.rotary_dim << " index_head_dim=" << c.index_head_dim);
+    const int T = c.tokens, kv_row = c.kv_heads * c.head_dim;
+    std::mt19937 rng{uint32_t(seed)};
+    // Distinct (slot, position) per token, positions anywhere below kMaxLen.
+    std::vector<int32_t> slots(static_cast<size_t>(T)), positions(static_cast<size_t>(T));
+    for (int t = 0; t < T; ++t) {
+      slots[t] = int32_t((t * 3 + 1) % kSlots);
+      positions[t] = int32_t((t * 13 + 5) % kMaxLen);
+    }
+    std::vector<int32_t> table(size_t(kSlots) * kPagesPerSeq);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng);
+
+    // q, k, index q, index k: the shapes of a layer; k stores and carries v, index k stores.
+    struct Item {
+      int heads, head_dim;
+      bool store;
+    };
+    const Item layout[] = {{c.heads, c.head_dim, false},
+                           {c.kv_heads, c.head_dim, true},
+                           {c.kv_heads, c.index_head_dim, false},
+                           {1, c.index_head_dim, true}};
+    DeviceBuffer<int32_t> d_pos(positions), d_slots(slots), d_table(table);
+    std::vector<std::unique_ptr<DeviceBuffer<__nv_bfloat16>>> plain, stored, caches;
+    std::vector<std::unique_ptr<DeviceBuffer<float>>> weights;
+    std::vector<cuda::HeadNormRopeParams> params;
+    for (const Item& it : layout) {
+      const auto x = to_bf16(random_floats(size_t(T) * it.heads * it.head_dim, 1.f, seed++));
+      plain.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(x));
+      stored.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(x));
+      caches.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(size_t(kPoolRows) * it.heads * it.head_dim));
+      weights.push_back(std::make_unique<DeviceBuffer<float>>(random_floats(size_t(it.head_dim), 0.1f, seed++)));
+      cuda::HeadNormRopeParams p;
+      p.weight = weights.back()->get();
+      p.positions = d_pos.get();
+      p.num_tokens = T;
+      p.num_heads = it.heads;
+      p.head_dim = it.head_dim;
+      p.rotary_dim = std::min(c.rotary_dim, it.head_dim);
+      p.theta = 5e6f;
+      p.eps = kEps;
+      params.push_back(p);
+    }
+    const std::vector<__nv_bfloat16> v = to_bf16(random_floats(size_t(T) * kv_row, 1.f, seed++));
+    DeviceBuffer<__nv_bfloat16> d_v(v), d_v_cache(size_t(kPoolRows) * kv_row);
+
+    std::vector<cuda::HeadNormRopeParams> with_store = params;
+    for (size_t i = 0; i < params.size(); ++i) {
+      params[i].x = plain[i]->get();
+      with_store[i].x = stored[i]->get();
+      if (layout[i].store) with_store[i].cache = caches[i]->get();
+    }
+    with_store[1].copy = d_v.get();
+    with_store[1].copy_cache = d_v_cache.get();
+    cuda::CacheRowStore store;
+    store.pages = {d_table.get(), kPageShift, kPagesPerSeq};
+    store.seq_slots = d_slots.get();
+    cuda::launch_head_norm_rope_batch(params.data(), int(params.size()), nullptr);
+    cuda::launch_head_norm_rope_batch(with_store.data(), int(with_store.size()), nullptr, store);
+
+    // Expected caches: poison, with token t's row of x (after the kernel) or v at its pool row.
+    auto bits = [](const std::vector<__nv_bfloat16>& a) {
+      std::vector<uint16_t> out(a.size());
+      std::memcpy(out.data(), a.data(), a.size() * sizeof(uint16_t));
+      return out;
+    };
+    auto expect_cache = [&](const std::vector<uint16_t>& rows, int row_elems, const std::vector<uint16_t>& got,
+                            const char* what) {
+      std::vector<uint16_t> want(size_t(kPoolRows) * row_elems, 0xFFFF);
+      for (int t = 0; t < T; ++t) {
+        const int32_t page = table[size_t(slots[t]) * kPagesPerSeq + positions[t] / kPageSize];
+        const size_t pool_row = size_t(page) * kPageSize + size_t(positions[t] % kPageSize);
+        std::copy_n(rows.begin() + size_t(t) * row_elems, row_elems, want.begin() + pool_row * row_elems);
+      }
+      size_t mismatches = 0;
+      for (size_t i = 0; i < want.size(); ++i) mismatches += got[i] != want[i];
+      EXPECT_EQ(mismatches, 0u) << what << ": cache elements differing from the expected rows (or poison)";
+    };
+    for (size_t i = 0; i < params.size(); ++i) {
+      const auto a = bits(stored[i]->download()), b = bits(plain[i]->download());
+      EXPECT_EQ(a, b) << "tensor " << i << ": the store changed the in-place result";
+      const auto cache = bits(caches[i]->download());
+      if (layout[i].store)
+        expect_cache(a, layout[i].heads * layout[i].head_dim, cache, i == 1 ? "k" : "index k");
+      else
+        EXPECT_EQ(cache, std::vector<uint16_t>(cache.size(), 0xFFFF)) << "tensor " << i << " stored without a cache";
+    }
+    expect_cache(bits(v), kv_row, bits(d_v_cache.download()), "v");
+    EXPECT_EQ(bits(d_v.download()), bits(v)) << "v itself must not change";
+  }
+}
+
+TEST(CudaNorm, HeadNormRopeCacheStoreRejectsBadArguments) {
+  TPMOE_REQUIRE_GPU();
+  constexpr int hd = 64;
+  DeviceBuffer<__nv_bfloat16> d_x{size_t(hd)}, d_cache{size_t(4 * hd)}, d_v{size_t(hd + 8)},
+      d_v_cache{size_t(4 * hd + 8)};
+  DeviceBuffer<float> d_w{size_t(hd)};
+  DeviceBuffer<int32_t> d_pos(std::vector<int32_t>{1}), d_slots(std::vector<int32_t>{0}),
+      d_table(std::vector<int32_t>{0});
+  cuda::HeadNormRopeParams p;
+  p.x = d_x.get();
+  p.weight = d_w.get();
+  p.positions = d_pos.get();
+  p.num_tokens = 1;
+  p.num_heads = 1;
+  p.head_dim = hd;
+  p.rotary_dim = 32;
+  p.theta = 1e4f;
+  p.cache = d_cache.get();
+  cuda::CacheRowStore store;
+  store.pages = {d_table.get(), 2, 1};
+  store.seq_slots = d_slots.get();
+  auto expect_error = [&](const cuda::HeadNormRopeParams& q, const cuda::CacheRowStore& s, const char* message) {
+    try {
+      cuda::launch_head_norm_rope_batch(&q, 1, nullptr, s);
+      ADD_FAILURE() << "accepted; expected: " << message;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  };
+  expect_error(p, {}, "needs the launch's CacheRowStore");  // a store without a page table
+  cuda::HeadNormRopeParams q = p;
+  q.copy = d_v.get();  // without copy_cache
+  expect_error(q, store, "copy and copy_cache must be set together");
+  q.copy = d_v.get() + 1;  // 2 bytes off: not 16-byte aligned
+  q.copy_cache = d_v_cache.get();
+  expect_error(q, store, "16-byte aligned");
+  q.copy = d_v.get();
+  q.copy_cache = d_v_cache.get() + 4;  // 8 bytes off
+  expect_error(q, store, "16-byte aligned");
+  q.copy_cache = d_v_cache.get();
+  q.head_dim = 60;  // not a multiple of 8
+  q.rotary_dim = 30;
+  expect_error(q, store, "head_dim a multiple of 8");
+  EXPECT_NO_THROW(cuda::launch_head_norm_rope_batch(&p, 1, nullptr, store));  // the well-formed store
+  CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 TEST(CudaNorm, HeadNormRopeRejectsUnsupportedShapes) {

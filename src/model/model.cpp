@@ -91,9 +91,10 @@ void Model::attention(int l, Tensor h, int T, Tensor out) {
     p.local_blocks = c_.index_local_blocks;
   }
   ops_.linears(h, projections);
-  ops_.head_norm_rope(rotate);
   Tensor attn = ops_.alloc(T, nq * hd);
-  ops_.attention(q, k, v, index_q, index_k, p, attn);
+  // The norm + RoPE of `rotate`, then attention (one call: the GPU stores k, v and index_k into the
+  // cache from its norm + RoPE kernel).
+  ops_.rotate_and_attend(rotate, q, k, v, index_q, index_k, p, attn);
   ops_.linear(attn, a.o_proj, out);  // row-parallel: a partial sum under tp > 1
 }
 

@@ -201,6 +201,16 @@ class Ops {
   // lightning indexer keeps for each query's KV group.
   virtual void attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
                          Tensor out) = 0;
+  // head_norm_rope(rotate) and then attention(q, k, v, index_q, index_k, p, out), as one call, so that
+  // a backend may store the normed, rotated keys into the cache from its norm + RoPE kernel (the GPU
+  // does: no cache-write launch of its own). `rotate` normalises q, k and (sparse layers) index_q and
+  // index_k in place, as the layer's forward lists them; v is not rotated. The same results, the
+  // rotated tensors and the cache included.
+  virtual void rotate_and_attend(std::span<const HeadNormRope> rotate, Tensor q, Tensor k, Tensor v, Tensor index_q,
+                                 Tensor index_k, const AttentionParams& p, Tensor out) {
+    head_norm_rope(rotate);
+    attention(q, k, v, index_q, index_k, p, out);
+  }
   // gate_up[T, 2n] (gate half, then up half) -> out[T, n]: SwiGLU-OAI.
   virtual void swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) = 0;
   // logits[T, E] -> slot_ids[T, k+n] (int32), slot_weights[T, k+n] (fp32): sigmoid scores, top-k

@@ -4,7 +4,11 @@
 // 1. cache_write_kernel, one block per token: copies the step's k, v rows (and index_k on sparse
 //    layers) into the cache row of (seq_slots[t], positions[t]) with 16-byte vectors. A launch of its
 //    own, so every key of the step is in the cache before any query reads (prefill sees itself).
-//    Bytes: T * (2*nkv*hd + ihd) * 2 read and written.
+//    Bytes: T * (2*nkv*hd + ihd) * 2 read and written. Skipped when the caller says the rows are
+//    already there (cache_written): the model's path (CudaOps::rotate_and_attend) stores them from
+//    the head norm + RoPE kernel (norm.cu), one launch fewer a layer. That kernel runs before the
+//    launches below and each of them waits for its predecessor to finish (pdl_wait), so the
+//    property holds there too: every key of the step is in the cache before any query reads.
 // 2. select_blocks_kernel (sparse layers), one block per (token, index head g): fp32 scores
 //    iq[g]·ik[s] for s <= pos (bf16 inputs, no scale; 8 lanes per key), block max by atomicMax on
 //    order-preserving uint32 keys in shared memory (order-independent, hence exact), the local
@@ -33,7 +37,7 @@
 //   [ml float2 T*nq*S][acc float T*nq*S*HD], the partials only when S > 1. The number of splits S
 //   is chosen so that T*nq*S <= kMaxPartialRows (16384) and chunks are >= 256 keys.
 // Layouts: q/out [T, nq*hd], k/v [T, nkv*hd], index_q [T, nih*ihd], index_k [T, ihd], all bf16
-// row-major; cache as in attention.cuh. All pointers 16-byte aligned, hd and ihd multiples of 8.
+// row-major; cache as in kv_cache.cuh. All pointers 16-byte aligned, hd and ihd multiples of 8.
 // FLOPs for decode: 4*T*L*nq*hd (QK and PV); the indexer adds 2*T*L*nih*ihd.
 #include "backends/cuda/attention.cuh"
 
@@ -67,17 +71,6 @@ constexpr uint32_t kKeyRemoved = 0u;          // below every float's key
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Where a slot's positions live in the paged pool (attention.cuh).
-struct PageMap {
-  const int32_t* table;  // [max_seqs][pages_per_seq]
-  int shift;             // log2(page size)
-  int pages_per_seq;
-  __device__ const int32_t* slot_pages(int slot) const { return table + size_t(slot) * pages_per_seq; }
-  // Pool row of `position` of the slot whose pages are `pages`.
-  __device__ static size_t row(const int32_t* pages, int shift, int position) {
-    return (size_t(pages[position >> shift]) << shift) | size_t(position & ((1 << shift) - 1));
-  }
-};
 size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 
 struct SplitPlan {
@@ -182,7 +175,7 @@ __global__ void __launch_bounds__(kCacheWriteThreads) cache_write_kernel(const C
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x;
-  const size_t cache_row = PageMap::row(a.pages.slot_pages(a.seq_slots[t]), a.pages.shift, a.positions[t]);
+  const size_t cache_row = a.pages.row(a.seq_slots[t], a.positions[t]);
   {
     const uint4* ks = reinterpret_cast<const uint4*>(a.k + size_t(t) * a.kv_row);
     const uint4* vs = reinterpret_cast<const uint4*>(a.v + size_t(t) * a.kv_row);
@@ -586,14 +579,18 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
   check_arg(c.page_shift >= 0 && c.page_shift < 31 && c.pages_per_seq == int(ceil_div(c.max_len, 1ll << c.page_shift)),
             "attention: pages_per_seq=" + std::to_string(c.pages_per_seq) + " does not cover max_len=" +
                 std::to_string(c.max_len) + " in pages of 2^" + std::to_string(c.page_shift));
-  check_arg(p.q && p.k && p.v && p.out && c.k && c.v && c.page_table && p.positions && p.seq_slots,
-            "attention: null pointer");
-  check_arg(aligned16(p.q) && aligned16(p.k) && aligned16(p.v) && aligned16(p.out) && aligned16(c.k) &&
-                aligned16(c.v) && aligned16(p.workspace),
+  // k, v and index_k are read only by the cache write; with cache_written they may be null.
+  const bool write_cache = !p.cache_written;
+  check_arg(p.q && p.out && c.k && c.v && c.page_table && p.positions && p.seq_slots,
+            "attention: null pointer (q, out, the KV cache, its page table, positions or seq_slots)");
+  check_arg(!write_cache || (p.k && p.v), "attention: k and v must be set unless cache_written");
+  check_arg(aligned16(p.q) && aligned16(p.out) && aligned16(c.k) && aligned16(c.v) && aligned16(p.workspace) &&
+                (!write_cache || (aligned16(p.k) && aligned16(p.v))),
             "attention: q, k, v, out, cache and workspace must be 16-byte aligned");
   if (sparse) {
-    check_arg(p.index_k && c.index_k, "attention: sparse layer without index_k or index-key cache");
-    check_arg(aligned16(p.index_q) && aligned16(p.index_k) && aligned16(c.index_k),
+    check_arg(c.index_k && (!write_cache || p.index_k),
+              "attention: sparse layer without index_k (needed unless cache_written) or index-key cache");
+    check_arg(aligned16(p.index_q) && aligned16(c.index_k) && (!write_cache || aligned16(p.index_k)),
               "attention: index_q, index_k and the index-key cache must be 16-byte aligned");
     check_arg(p.num_index_heads == p.num_kv_heads, "attention: num_index_heads=" + std::to_string(p.num_index_heads) +
                                                        " must equal num_kv_heads=" + std::to_string(p.num_kv_heads) +
@@ -633,10 +630,10 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
 
   unsigned char* ws = static_cast<unsigned char*>(p.workspace);
   int32_t* kept = sparse ? reinterpret_cast<int32_t*>(ws) : nullptr;
-  const PageMap pages{c.page_table, c.page_shift, c.pages_per_seq};
+  const PageMap pages = c.pages();
 
-  // 1. cache writes
-  {
+  // 1. cache writes (unless an earlier launch made them: cache_written)
+  if (write_cache) {
     CacheWriteArgs a{};
     a.k = p.k;
     a.v = p.v;

@@ -2,13 +2,11 @@
 // selection, and causal GQA softmax attention (decode: split-KV; prefill: causal), full or
 // restricted to the kept key blocks.
 //
-// Cache layout: a pool of pages of 2^page_shift positions, shared by every sequence slot:
-//   k, v     [num_pages * page_size][num_kv_heads][head_dim]  bf16
-//   index_k  [num_pages * page_size][index_head_dim]          bf16 (sparse layers only)
-// Position p of slot s is pool row page_table[s * pages_per_seq + (p >> page_shift)] * page_size +
-// (p & (page_size - 1)). Token t of the step belongs to slot seq_slots[t] at position positions[t]
-// and attends to keys 0..positions[t] of its slot (the caller has mapped their pages). All keys of
-// the step are written before any query reads, so prefill tokens of one sequence see each other.
+// Cache layout and page addressing: kv_cache.cuh. Token t of the step belongs to slot seq_slots[t]
+// at position positions[t] and attends to keys 0..positions[t] of its slot (the caller has mapped
+// their pages). All keys of the step are in the cache before any query reads, so prefill tokens of
+// one sequence see each other: launch_attention writes them first, or (cache_written) the caller
+// has, in an earlier launch on the same stream (head_norm_rope's cache store, norm.cuh).
 //
 // Graph capture: the grid depends only on num_tokens and the context bound (never on positions),
 // and the page table is read from device memory at run time, so a decode step captured once
@@ -25,21 +23,9 @@
 #include <cstddef>
 #include <cstdint>
 
-namespace tpmoe::cuda {
+#include "backends/cuda/kv_cache.cuh"
 
-struct KvCacheLayer {
-  __nv_bfloat16* k = nullptr;
-  __nv_bfloat16* v = nullptr;
-  __nv_bfloat16* index_k = nullptr;     // nullptr on full-attention layers
-  const int32_t* page_table = nullptr;  // [max_seqs][pages_per_seq], device memory
-  int max_seqs = 0;
-  int max_len = 0;
-  int page_shift = 0;  // log2(page size)
-  int pages_per_seq = 0;
-  int num_kv_heads = 0;
-  int head_dim = 0;
-  int index_head_dim = 0;
-};
+namespace tpmoe::cuda {
 
 struct AttentionKernelParams {
   const __nv_bfloat16* q = nullptr;        // [T, num_q_heads * head_dim]
@@ -48,6 +34,11 @@ struct AttentionKernelParams {
   const __nv_bfloat16* index_q = nullptr;  // [T, num_index_heads * index_head_dim]; nullptr: full attention
   const __nv_bfloat16* index_k = nullptr;  // [T, index_head_dim]
   KvCacheLayer cache;
+  // True: the step's k, v and index_k rows are already in the cache (written by an earlier launch
+  // on this stream: CudaOps::rotate_and_attend stores them from its head norm + RoPE kernel), so
+  // the cache-write launch is skipped and k, v, index_k are not read (they may be null). False (the
+  // default): launch_attention writes them first.
+  bool cache_written = false;
   const int32_t* positions = nullptr;  // [T]
   const int32_t* seq_slots = nullptr;  // [T]
   int num_tokens = 0;
@@ -73,7 +64,8 @@ struct AttentionKernelParams {
 size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_heads, int head_dim, int max_len,
                                  int block_size, int topk_blocks);
 
-// Writes the step's k, v (and index_k) into the cache, selects blocks on sparse layers, attends.
+// Writes the step's k, v (and index_k) into the cache (unless cache_written), selects blocks on
+// sparse layers, attends.
 void launch_attention(const AttentionKernelParams& p, cudaStream_t stream);
 
 }  // namespace tpmoe::cuda

@@ -27,6 +27,22 @@ __nv_bfloat16* bf16_mut(const Tensor& t) { return static_cast<__nv_bfloat16*>(t.
 void expect(const Tensor& t, DType dtype, const char* what) {
   TPMOE_CHECK(t.dtype == dtype, "CUDA backend: {} must be {}, got {}", what, dtype_name(dtype), dtype_name(t.dtype));
 }
+
+// The kernel's view of head_norm_rope's items (no cache store), into out[0, items.size()).
+void head_norm_rope_params(std::span<const HeadNormRope> items, const int32_t* positions, HeadNormRopeParams* out) {
+  TPMOE_CHECK(items.size() <= size_t(kMaxHeadNormRopeItems), "CUDA head_norm_rope: {} tensors in one call, at most {}",
+              items.size(), kMaxHeadNormRopeItems);
+  for (size_t i = 0; i < items.size(); ++i) {
+    const HeadNormRope& it = items[i];
+    const RopeParams& p = it.rope;
+    expect(it.x, DType::kBF16, "head_norm_rope input");
+    out[i] = {bf16_mut(it.x), it.weight.as<float>(),
+              positions,      int(it.x.dim(0)),
+              it.num_heads,   p.head_dim,
+              p.rotary_dim,   p.theta,
+              p.eps};
+  }
+}
 }  // namespace
 
 CudaOps::OpTimer::OpTimer(CudaOps& ops, std::string name) {
@@ -368,24 +384,13 @@ void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
 
 void CudaOps::head_norm_rope(std::span<const HeadNormRope> items) {
   const auto timer = timed("head_norm_rope");
-  TPMOE_CHECK(items.size() <= size_t(kMaxHeadNormRopeItems), "CUDA head_norm_rope: {} tensors in one call, at most {}",
-              items.size(), kMaxHeadNormRopeItems);
   HeadNormRopeParams params[kMaxHeadNormRopeItems];
-  for (size_t i = 0; i < items.size(); ++i) {
-    const HeadNormRope& it = items[i];
-    const RopeParams& p = it.rope;
-    params[i] = {bf16_mut(it.x), it.weight.as<float>(),
-                 positions_,     int(it.x.dim(0)),
-                 it.num_heads,   p.head_dim,
-                 p.rotary_dim,   p.theta,
-                 p.eps};
-  }
+  head_norm_rope_params(items, positions_, params);
   launch_head_norm_rope_batch(params, int(items.size()), stream_);
 }
 
-void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
-                        Tensor out) {
-  const auto timer = timed(index_q.empty() ? "attention (full)" : "attention (sparse)");
+AttentionKernelParams CudaOps::attention_params(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k,
+                                                const AttentionParams& p, Tensor out) const {
   AttentionKernelParams a;
   a.q = bf16(q);
   a.k = bf16(k);
@@ -409,6 +414,60 @@ void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor ind
   a.out = bf16_mut(out);
   a.workspace = attention_workspace_;
   a.workspace_bytes = attention_workspace_bytes_;
+  return a;
+}
+
+void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
+                        Tensor out) {
+  const auto timer = timed(index_q.empty() ? "attention (full)" : "attention (sparse)");
+  launch_attention(attention_params(q, k, v, index_q, index_k, p, out), stream_);
+}
+
+void CudaOps::rotate_and_attend(std::span<const HeadNormRope> rotate, Tensor q, Tensor k, Tensor v, Tensor index_q,
+                                Tensor index_k, const AttentionParams& p, Tensor out) {
+  const bool sparse = !index_q.empty();
+  // The items that rotate k and index_k store them into the cache; without them (a caller that
+  // rotates its keys elsewhere) there is nothing to store from the kernel: the two ops, unfused.
+  // So too for a step without tokens, whose empty tensors may share an address (and launch nothing).
+  int k_item = -1, index_k_item = -1;
+  for (size_t i = 0; i < rotate.size(); ++i) {
+    if (rotate[i].x.data == k.data) k_item = int(i);
+    if (sparse && rotate[i].x.data == index_k.data) index_k_item = int(i);
+  }
+  if (num_tokens_ == 0 || k_item < 0 || (sparse && index_k_item < 0)) {
+    Ops::rotate_and_attend(rotate, q, k, v, index_q, index_k, p, out);
+    return;
+  }
+  HeadNormRopeParams params[kMaxHeadNormRopeItems];
+  head_norm_rope_params(rotate, positions_, params);
+  const KvCacheLayer& c = cache_[p.layer];
+  // The kernel writes head h of token t at h * head_dim of the token's cache row: the item's heads
+  // must be the cache's, and every token of the step must be in k (the cache write stores them all).
+  const HeadNormRope& kr = rotate[size_t(k_item)];
+  TPMOE_CHECK(kr.num_heads == c.num_kv_heads && kr.rope.head_dim == c.head_dim && k.dim(0) == num_tokens_,
+              "rotate_and_attend: k of {} tokens x {} heads x {} does not fit layer {}'s KV cache ({} heads x {}) for "
+              "a step of {} tokens",
+              k.dim(0), kr.num_heads, kr.rope.head_dim, p.layer, c.num_kv_heads, c.head_dim, num_tokens_);
+  TPMOE_CHECK(v.dim(0) == k.dim(0) && v.dim(1) == k.dim(1), "rotate_and_attend: v [{}, {}] is not k's shape [{}, {}]",
+              v.dim(0), v.dim(1), k.dim(0), k.dim(1));
+  expect(v, DType::kBF16, "attention v");
+  params[k_item].cache = c.k;
+  params[k_item].copy = bf16(v);
+  params[k_item].copy_cache = c.v;
+  if (sparse) {
+    const HeadNormRope& ir = rotate[size_t(index_k_item)];
+    TPMOE_CHECK(c.index_k != nullptr && ir.num_heads == 1 && ir.rope.head_dim == c.index_head_dim,
+                "rotate_and_attend: index_k of {} heads x {} does not fit layer {}'s index-key cache (1 head x {})",
+                ir.num_heads, ir.rope.head_dim, p.layer, c.index_head_dim);
+    params[index_k_item].cache = c.index_k;
+  }
+  {
+    const auto timer = timed("head_norm_rope + cache store");
+    launch_head_norm_rope_batch(params, int(rotate.size()), stream_, {c.pages(), seq_slots_});
+  }
+  const auto timer = timed(sparse ? "attention (sparse, cache written)" : "attention (full, cache written)");
+  AttentionKernelParams a = attention_params(q, k, v, index_q, index_k, p, out);
+  a.cache_written = true;  // the norm + RoPE launch above stored k, v and index_k
   launch_attention(a, stream_);
 }
 

@@ -56,6 +56,8 @@ class CudaOps final : public Ops {
   ~CudaOps() override;
 
   cudaStream_t stream() const { return stream_; }
+  // A layer's KV cache on the device (init_cache): for tests that check what a step stored.
+  const KvCacheLayer& cache_layer(int layer) const { return cache_.at(size_t(layer)); }
   // Called first when the ops are destroyed (after the stream is drained, before it goes): whoever
   // enqueues on stream() - a communicator - lets go of it there.
   void set_on_destroy(std::function<void()> f) { on_destroy_ = std::move(f); }
@@ -79,6 +81,10 @@ class CudaOps final : public Ops {
   void head_norm_rope(std::span<const HeadNormRope> items) override;
   void attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
                  Tensor out) override;
+  // One launch for the norm + RoPE that also stores k, v and index_k into the layer's cache, then
+  // attention without its cache-write launch (attention.cu's header).
+  void rotate_and_attend(std::span<const HeadNormRope> rotate, Tensor q, Tensor k, Tensor v, Tensor index_q,
+                         Tensor index_k, const AttentionParams& p, Tensor out) override;
   void swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) override;
   void route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) override;
   void moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down, const SwigluParams& p,
@@ -147,6 +153,9 @@ class CudaOps final : public Ops {
   bool decode_gemv_ = true;
   // The decode GEMV's launch for these projections of x; false: it does not take them.
   bool gemv_params(Tensor x, std::span<const Projection> items, GemvParams& p) const;
+  // The kernel's view of attention() (rotate_and_attend() launches it with cache_written).
+  AttentionKernelParams attention_params(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k,
+                                         const AttentionParams& p, Tensor out) const;
   // The kernels' views of route() and moe_experts() (route_experts() launches both in one).
   RouteKernelParams route_params(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids,
                                  Tensor slot_weights) const;

@@ -14,6 +14,13 @@
 //   so reading and writing in place never races. inv_freq[i] = float(pow(double(theta), -2i/rd)) as
 //   the CPU oracle computes it, once per block into shared memory; cos/sin by sincosf (full-range accurate, not __sinf:
 //   angles reach pos * 1 rad, far outside the fast intrinsics' range). Bytes: 2 x T*heads*hd*2.
+//   Cache store (items with `cache`/`copy`, CudaOps::rotate_and_attend): the warp looks up its
+//   token's pool row (seq_slots, page table: kv_cache.cuh) before the norm, writes each bf16 result
+//   to the cache row as well as back to x (the same value, so the cache holds what x holds), and
+//   copies the head of `copy` (v) to its cache row with one 16-byte access per lane (hd <= 256: at
+//   most 32 vectors). This replaces attention's cache-write launch; as a launch before attention's,
+//   every key of the step is still in the cache before any query reads. Bytes added: T*heads*hd*2
+//   written per stored item, T*heads*hd*2*2 per copy.
 // Layouts: row-major, rows contiguous. Grids depend only on the sizes (graph-capturable); no sync,
 // no allocation. Both launch with PDL (kernel_utils.cuh).
 #include "backends/cuda/norm.cuh"
@@ -100,6 +107,7 @@ struct HeadNormRopeBatch {
   HeadNormRopeParams items[kMaxHeadNormRopeItems];
   int64_t block_begin[kMaxHeadNormRopeItems + 1] = {};
   int count = 0;
+  CacheRowStore store;  // read only by items with a cache or copy destination
 };
 
 __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kernel(HeadNormRopeBatch batch) {
@@ -119,6 +127,16 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kern
   if (head >= int64_t(p.num_tokens) * p.num_heads) return;  // the whole warp leaves together
   const int lane = threadIdx.x % kWarp;
   __nv_bfloat16* v = p.x + head * hd;  // [T, heads, hd] contiguous: head (t, h) starts at (t*heads + h)*hd
+  const int64_t t = head / p.num_heads;
+
+  // The cache store: head (t, h) goes to pool row r of the cache at r*heads*hd + h*hd, i.e. head
+  // h of token t's row. Looked up first, so the slot and page loads overlap the norm below.
+  size_t cache_offset = 0;
+  if (p.cache != nullptr || p.copy != nullptr) {
+    const size_t row = batch.store.pages.row(batch.store.seq_slots[t], p.positions[t]);
+    cache_offset = (row * size_t(p.num_heads) + size_t(head - t * p.num_heads)) * size_t(hd);
+  }
+  __nv_bfloat16* cache_head = p.cache != nullptr ? p.cache + cache_offset : nullptr;
 
   float a[kMaxPairsPerLane], b[kMaxPairsPerLane], c[kMaxPassPerLane];
   float ss = 0.f;
@@ -141,9 +159,14 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kern
       ss += c[k] * c[k];
     }
   }
+  // The copy (the layer's V tensor beside K): no norm, no rotation. Placed after x's loads: a store
+  // the compiler cannot prove disjoint from x would hold them back.
+  if (p.copy != nullptr && lane < hd / 8)
+    reinterpret_cast<uint4*>(p.copy_cache + cache_offset)[lane] =
+        reinterpret_cast<const uint4*>(p.copy + head * hd)[lane];
   ss = warp_sum(ss);
   const float inv = 1.f / sqrtf(ss / float(hd) + p.eps);
-  const float pos = float(p.positions[head / p.num_heads]);
+  const float pos = float(p.positions[t]);
 
 #pragma unroll
   for (int k = 0; k < kMaxPairsPerLane; ++k) {
@@ -153,14 +176,23 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kern
       const float bn = b[k] * inv * (1.f + __ldg(&p.weight[i + half]));
       float s, co;
       sincosf(pos * inv_freq[i], &s, &co);
-      v[i] = __float2bfloat16_rn(an * co - bn * s);
-      v[i + half] = __float2bfloat16_rn(bn * co + an * s);
+      const __nv_bfloat16 ya = __float2bfloat16_rn(an * co - bn * s), yb = __float2bfloat16_rn(bn * co + an * s);
+      v[i] = ya;
+      v[i + half] = yb;
+      if (cache_head != nullptr) {
+        cache_head[i] = ya;
+        cache_head[i + half] = yb;
+      }
     }
   }
 #pragma unroll
   for (int k = 0; k < kMaxPassPerLane; ++k) {
     const int j = rd + lane + kWarp * k;
-    if (j < hd) v[j] = __float2bfloat16_rn(c[k] * inv * (1.f + __ldg(&p.weight[j])));
+    if (j < hd) {
+      const __nv_bfloat16 y = __float2bfloat16_rn(c[k] * inv * (1.f + __ldg(&p.weight[j])));
+      v[j] = y;
+      if (cache_head != nullptr) cache_head[j] = y;
+    }
   }
 }
 
@@ -182,9 +214,11 @@ void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream) {
   launch_head_norm_rope_batch(&p, 1, stream);
 }
 
-void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cudaStream_t stream) {
+void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cudaStream_t stream,
+                                 const CacheRowStore& store) {
   check_arg(count >= 0 && count <= kMaxHeadNormRopeItems, "head_norm_rope: at most 4 tensors in one launch");
   HeadNormRopeBatch batch;
+  batch.store = store;
   for (int i = 0; i < count; ++i) {
     const HeadNormRopeParams& p = items[i];
     if (p.num_tokens <= 0 || p.num_heads <= 0) continue;
@@ -192,6 +226,16 @@ void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cud
     check_arg(p.rotary_dim >= 0 && p.rotary_dim <= p.head_dim && p.rotary_dim % 2 == 0,
               "head_norm_rope: rotary_dim must be even and <= head_dim");
     check_arg(p.x && p.weight && p.positions, "head_norm_rope: x, weight and positions must be set");
+    check_arg((p.copy == nullptr) == (p.copy_cache == nullptr),
+              "head_norm_rope: copy and copy_cache must be set together");
+    if (p.cache != nullptr || p.copy != nullptr)
+      check_arg(store.seq_slots && store.pages.table && store.pages.shift >= 0 && store.pages.shift < 31 &&
+                    store.pages.pages_per_seq > 0,
+                "head_norm_rope: a cache store needs the launch's CacheRowStore (seq_slots and a page table)");
+    if (p.copy != nullptr)
+      check_arg(p.head_dim % 8 == 0 && aligned16(p.copy) && aligned16(p.copy_cache),
+                "head_norm_rope: the copy into the cache needs head_dim a multiple of 8 and 16-byte aligned "
+                "copy and copy_cache");
     const int64_t warps = int64_t(p.num_tokens) * p.num_heads;
     batch.items[batch.count] = p;
     batch.block_begin[batch.count + 1] =
