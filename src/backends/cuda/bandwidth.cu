@@ -60,21 +60,27 @@ double median_rate(double bytes, Op op) {
 
 }  // namespace
 
+size_t read_stream_sink_words() {
+  int sms = 0, device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return size_t(sms) * 4;  // the stream's blocks: four of 512 threads an SM
+}
+
+void launch_read_stream(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {
+  read_stream_kernel<<<unsigned(read_stream_sink_words()), kReadThreads, 0, stream>>>(static_cast<const uint4*>(data),
+                                                                                      bytes / 16, sink);
+  CUDA_CHECK_LAUNCH();
+}
+
 double read_bandwidth() {
   const size_t bytes = size_t(8) << 30;
   void* data = nullptr;
   uint32_t* sink = nullptr;
   CUDA_CHECK(cudaMalloc(&data, bytes));
-  int sms = 0, device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const int blocks = sms * 4;
-  CUDA_CHECK(cudaMalloc(&sink, size_t(blocks) * sizeof(uint32_t)));
+  CUDA_CHECK(cudaMalloc(&sink, read_stream_sink_words() * sizeof(uint32_t)));
   CUDA_CHECK(cudaMemset(data, 0x5A, bytes));
-  const double rate = median_rate(double(bytes), [&] {
-    read_stream_kernel<<<blocks, kReadThreads>>>(static_cast<const uint4*>(data), bytes / 16, sink);
-    CUDA_CHECK_LAUNCH();
-  });
+  const double rate = median_rate(double(bytes), [&] { launch_read_stream(data, bytes, sink, nullptr); });
   cudaFree(data);
   cudaFree(sink);
   return rate;
