@@ -149,6 +149,8 @@ __device__ __forceinline__ void publish_partial(const Peers& peers, const Allred
 
 template <int kChunks, class Peers>
 __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  pdl_wait();
+  pdl_trigger();
   typename Peers::Barrier barrier(peers);
   if (phases & kPhaseCopy) {
     for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x) publish_partial(peers, p, row);
@@ -163,6 +165,8 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(AllreduceNormParam
 
 template <int kChunks, class Peers>
 __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  pdl_wait();
+  pdl_trigger();
   typename Peers::Barrier barrier(peers);
   // CTA b handles local row j of every owner's range where j % gridDim.x == b, in every phase.
   if (phases & kPhaseCopy) {
@@ -276,6 +280,8 @@ struct LoadMailbox {
 
 template <int kChunks, class Peers>
 __global__ void __launch_bounds__(kMaxThreads) push_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  pdl_wait();
+  pdl_trigger();
   uint32_t* control = reinterpret_cast<uint32_t*>(peers.peer(p.rank) + p.window.control_offset);
   // Every CTA reads the call counter before it arrives below; only the last to arrive advances it.
   const int buffer = int(*reinterpret_cast<volatile uint32_t*>(control) & 1u);
@@ -327,12 +333,16 @@ int block_size(int hidden) {
 template <int kChunks, class Peers>
 void launch_chunks(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, const Peers& peers, int grid,
                    int threads, cudaStream_t stream) {
+  // With PDL, as the kernels around it (kernel_utils.cuh): each waits before it reads the partial or
+  // touches its window, so only its launch overlaps its predecessor; its successor may launch once
+  // every CTA of it is running, so waiting successors never hold SMs it needs for its barriers.
+  const dim3 g{unsigned(grid)}, b{unsigned(threads)};
   if (algo == AllreduceAlgo::kOneShot)
-    oneshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
+    launch_pdl(oneshot_kernel<kChunks, Peers>, g, b, 0, stream, true, p, peers, phases);
   else if (algo == AllreduceAlgo::kTwoShot)
-    twoshot_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
+    launch_pdl(twoshot_kernel<kChunks, Peers>, g, b, 0, stream, true, p, peers, phases);
   else
-    push_kernel<kChunks, Peers><<<grid, threads, 0, stream>>>(p, peers, phases);
+    launch_pdl(push_kernel<kChunks, Peers>, g, b, 0, stream, true, p, peers, phases);
 }
 
 template <class Peers>
