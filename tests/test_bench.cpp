@@ -125,7 +125,7 @@ TEST_F(BenchTest, GainsFollowFromRows) {
   EXPECT_NE(format_bench(*report_).find("fusion gains"), std::string::npos);
 }
 
-TEST(BenchGains, AllReduceFusionIsNotAGainAtTp1) {
+TEST(BenchGains, AllReduceFusionIsNotAGainAtTp1OrUnderEmulation) {
   std::vector<BenchRow> rows;
   for (bool se : {true, false})
     for (bool ar : {true, false}) {
@@ -136,7 +136,7 @@ TEST(BenchGains, AllReduceFusionIsNotAGainAtTp1) {
       r.tokens_per_s = 100.0 + (se ? 20 : 0) + (ar ? 3 : 0);
       rows.push_back(r);
     }
-  for (const FusionGain& g : fusion_gains(rows, 1)) {
+  for (const FusionGain& g : fusion_gains(rows, 1, false)) {
     if (g.fusion == "allreduce") {
       EXPECT_FALSE(g.gain.has_value());
       EXPECT_EQ(g.note, "n/a at tp 1");
@@ -145,6 +145,21 @@ TEST(BenchGains, AllReduceFusionIsNotAGainAtTp1) {
       EXPECT_NEAR(*g.gain, g.other_on ? 123.0 / 103.0 - 1 : 120.0 / 100.0 - 1, 1e-12);
     }
   }
+  // Under --emulate-tp the unfused all-reduce of one rank does nothing: no gain either; at a real
+  // tp 2 there is one.
+  for (const FusionGain& g : fusion_gains(rows, 2, true)) {
+    if (g.fusion != "allreduce") continue;
+    EXPECT_FALSE(g.gain.has_value());
+    EXPECT_EQ(g.note, "n/a emulated (no peers)");
+  }
+  size_t measured = 0;
+  for (const FusionGain& g : fusion_gains(rows, 2, false))
+    if (g.fusion == "allreduce") {
+      ASSERT_TRUE(g.gain.has_value());
+      EXPECT_NEAR(*g.gain, g.other_on ? 123.0 / 120.0 - 1 : 103.0 / 100.0 - 1, 1e-12);
+      ++measured;
+    }
+  EXPECT_EQ(measured, 2u);
 }
 
 // --preset m3 --layers N adds the extrapolated column; it is printed last and matches the JSON.

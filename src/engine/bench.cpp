@@ -70,7 +70,7 @@ std::vector<FusionSetting> all_fusion_settings() {
   return {{true, true}, {false, true}, {true, false}, {false, false}};
 }
 
-std::vector<FusionGain> fusion_gains(const std::vector<BenchRow>& rows, int tp) {
+std::vector<FusionGain> fusion_gains(const std::vector<BenchRow>& rows, int tp, bool emulated) {
   auto find = [&](bool se, bool ar, int batch) -> const BenchRow* {
     for (const auto& r : rows)
       if (r.shared_expert_fusion == se && r.allreduce_fusion == ar && r.batch == batch) return &r;
@@ -88,9 +88,12 @@ std::vector<FusionGain> fusion_gains(const std::vector<BenchRow>& rows, int tp) 
     for (bool se : {true, false}) {
       const BenchRow *on = find(se, true, batch), *off = find(se, false, batch);
       if (!on || !off) continue;
-      // At tp 1 there is no all-reduce: both plans are the same, and a difference is noise.
+      // At tp 1 there is no all-reduce: both plans are the same, and a difference is noise. Under
+      // emulation the unfused side's all-reduce does nothing (bench.h): not the fusion's gain.
       if (tp == 1)
         gains.push_back({"allreduce", se, batch, std::nullopt, "n/a at tp 1"});
+      else if (emulated)
+        gains.push_back({"allreduce", se, batch, std::nullopt, "n/a emulated (no peers)"});
       else
         gains.push_back({"allreduce", se, batch, on->tokens_per_s / off->tokens_per_s - 1.0, ""});
     }
@@ -209,7 +212,8 @@ BenchReport run_bench(const BenchOptions& o) {
     }
     engine.reset();  // before the next setting's engine is built
   }
-  if (o.settings.size() > 1) report.gains = fusion_gains(report.rows, o.emulate_tp > 0 ? o.emulate_tp : o.tp);
+  if (o.settings.size() > 1)
+    report.gains = fusion_gains(report.rows, o.emulate_tp > 0 ? o.emulate_tp : o.tp, o.emulate_tp > 0);
   return report;
 }
 

@@ -105,8 +105,11 @@ struct BenchReport {
 // so four m3 engines never share the GPU).
 BenchReport run_bench(const BenchOptions& options);
 
-// Gains from the rows (every pair of settings that differs in one fusion, at each batch).
-std::vector<FusionGain> fusion_gains(const std::vector<BenchRow>& rows, int tp);
+// Gains from the rows (every pair of settings that differs in one fusion, at each batch). The
+// all-reduce fusion has none at tp 1 (no all-reduce) nor under emulation (--emulate-tp: with it
+// off, the stand-in all-reduce of one rank does nothing, so the rows compare the fused kernel on one
+// rank's partial with no all-reduce at all).
+std::vector<FusionGain> fusion_gains(const std::vector<BenchRow>& rows, int tp, bool emulated);
 
 // The printed report: a header stating the protocol and formulas, the table, and the gains.
 std::string format_bench(const BenchReport& report);
