@@ -398,24 +398,24 @@ TEST_F(ServeHttpSlow, StopEndsStreamsInFlight) {
   std::string body;
   std::thread streamer = start_long_stream(body);
   server_->stop();
-  thread_.join();  // run() returns
+  thread_.join();                // run() returns
+  thread_ = std::thread([] {});  // the fixture joins it again (also when an assertion below returns)
   streamer.join();
   const std::vector<json> events = parse_sse(body);
   ASSERT_FALSE(events.empty());
   EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "abort");
-  thread_ = std::thread([] {});  // the fixture joins it again
 }
 
 TEST_F(ServeHttpSlow, SchedulerFailureStopsTheServer) {
   std::string body;
   std::thread streamer = start_long_stream(body);
   scheduler_->fail();
-  thread_.join();  // the stop handler made run() return
+  thread_.join();                // the stop handler made run() return
+  thread_ = std::thread([] {});  // the fixture joins it again (also when an assertion below returns)
   streamer.join();
   const std::vector<json> events = parse_sse(body);
   ASSERT_FALSE(events.empty());
   EXPECT_EQ(events.back()["choices"][0]["finish_reason"], "abort");
-  thread_ = std::thread([] {});  // the fixture joins it again
 }
 
 }  // namespace

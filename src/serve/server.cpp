@@ -171,10 +171,13 @@ struct OpenAIServer::Impl {
   int64_t started_unix = 0;
 
   // Lifecycle: stop() may come before, during or after run(); `guard` in run() keeps stopping the
-  // HTTP server until its listen loop has returned.
+  // HTTP server until its listen loop has returned. It first lets the streams in flight end: the
+  // HTTP server writes no more of a chunked response once it is stopping, so a stream whose body
+  // had not begun would end with nothing, not its "abort" chunk and [DONE].
   std::mutex lifecycle_mutex;
   std::condition_variable lifecycle_changed;
   bool stopping = false, run_done = false;
+  int open_streams = 0;  // stream replies whose response has not been released yet
   std::atomic<bool> stopping_flag{false};
   Clock::time_point stop_time;
 
@@ -468,6 +471,10 @@ void OpenAIServer::Impl::finish_request(uint64_t id, const Reply& reply) {
 void OpenAIServer::Impl::stream_reply(httplib::Response& res, uint64_t id, std::shared_ptr<UpdateQueue> queue,
                                       std::shared_ptr<Reply> reply) {
   res.set_header("Cache-Control", "no-cache");
+  {
+    std::lock_guard lock(lifecycle_mutex);
+    ++open_streams;  // until the releaser runs, however the response ends
+  }
   // The provider runs on this handler's thread once the headers are out, and writes the whole
   // stream in one call. A write that fails means the client is gone: the releaser cancels the
   // request (it runs however the response ends).
@@ -498,11 +505,20 @@ void OpenAIServer::Impl::stream_reply(httplib::Response& res, uint64_t id, std::
       return false;
     }
   };
-  auto releaser = [this, id, reply](bool success) {
-    if (success && reply->finished()) return;
-    cancel(id);
-    std::lock_guard lock(active_mutex);
-    active.erase(id);
+  // Counted once even if httplib copied the response (a copy carries the releaser too).
+  auto released = std::make_shared<std::atomic<bool>>(false);
+  auto releaser = [this, id, reply, released](bool success) {
+    if (released->exchange(true)) return;
+    if (!success || !reply->finished()) {
+      cancel(id);
+      std::lock_guard lock(active_mutex);
+      active.erase(id);
+    }
+    {
+      std::lock_guard lock(lifecycle_mutex);
+      --open_streams;
+    }
+    lifecycle_changed.notify_all();
   };
   res.set_chunked_content_provider("text/event-stream", std::move(provider), std::move(releaser));
 }
@@ -548,6 +564,10 @@ void OpenAIServer::run() {
   std::thread guard([&s] {
     std::unique_lock lock(s.lifecycle_mutex);
     s.lifecycle_changed.wait(lock, [&] { return s.stopping || s.run_done; });
+    // The streams in flight end first (stop() cancelled their requests; each ends with "abort"
+    // within kStopGrace), while new requests get a 503.
+    s.lifecycle_changed.wait_until(lock, s.stop_time + kStopGrace + kPollInterval * 5,
+                                   [&] { return s.run_done || s.open_streams == 0; });
     // httplib's stop() does nothing until its listen loop runs: repeat it until that loop returned.
     while (!s.run_done) {
       lock.unlock();
