@@ -114,12 +114,13 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
         if constexpr (kFp8) {
-          const uint4 lo = dequant_e4m3x8(make_uint2(cur[u][r].x, cur[u][r].y), cur_scale[u][r]);
-          const uint4 hi = dequant_e4m3x8(make_uint2(cur[u][r].z, cur[u][r].w), cur_scale[u][r]);
+          float wf[16];
+          widen_e4m3x16(cur[u][r], wf);
+          const float scale_f = e8m0_to_float(cur_scale[u][r]);
 #pragma unroll
           for (int m = 0; m < M; ++m) {
             const uint4* xv = reinterpret_cast<const uint4*>(xs + size_t(m) * K + k);
-            acc[r][m] = dot8(hi, xv[1], dot8(lo, xv[0], acc[r][m]));
+            acc[r][m] = dot16_scaled(wf, xv[0], xv[1], scale_f, acc[r][m]);
           }
         } else {
 #pragma unroll

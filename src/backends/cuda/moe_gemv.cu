@@ -59,10 +59,10 @@ struct RowReader {
 template <bool kFp8>
 __device__ __forceinline__ float dot_load(uint4 w, uint32_t scale, const uint16_t* v, int k, float acc) {
   if constexpr (kFp8) {
-    const uint4 lo = dequant_e4m3x8(make_uint2(w.x, w.y), scale);
-    const uint4 hi = dequant_e4m3x8(make_uint2(w.z, w.w), scale);
-    acc = dot8(lo, *reinterpret_cast<const uint4*>(v + k), acc);
-    return dot8(hi, *reinterpret_cast<const uint4*>(v + k + 8), acc);
+    float wf[16];
+    widen_e4m3x16(w, wf);
+    return dot16_scaled(wf, *reinterpret_cast<const uint4*>(v + k), *reinterpret_cast<const uint4*>(v + k + 8),
+                        e8m0_to_float(scale), acc);
   } else {
     return dot8(w, *reinterpret_cast<const uint4*>(v + k), acc);
   }
