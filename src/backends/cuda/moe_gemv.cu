@@ -92,6 +92,20 @@ __device__ __forceinline__ void pipeline(int steps, Load&& load, Use&& use, Wait
   }
 }
 
+// The PDL wait of a kernel that reaches it from more than one place (in its pipeline before the first
+// use of the previous launch's output, and at its end for a warp that had no work): the first call
+// waits and lets the next launch start, later ones do nothing.
+struct PdlWaitOnce {
+  bool waited = false;
+  __device__ void operator()() {
+    if (!waited) {
+      pdl_wait();
+      pdl_trigger();
+      waited = true;
+    }
+  }
+};
+
 // The slots of the token, as the kernels see them: routed by the calling warp from the router's
 // logits when the layer routes inside (all 32 lanes call), or read from slot_ids.
 struct TokenSlots {
@@ -232,14 +246,7 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_down_gemv_kernel(const MoeG
   constexpr int kPerLoad = kFp8 ? 16 : 8, kPass = kWarp * kPerLoad;
   const int lane = threadIdx.x % kWarp;
   const TokenSlots slots = token_slots(p, lane);
-  bool waited = false;
-  auto wait_once = [&] {
-    if (!waited) {
-      pdl_wait();
-      pdl_trigger();
-      waited = true;
-    }
-  };
+  PdlWaitOnce wait_once;
   const int chunks = (p.inter + kLoads * kPass - 1) / (kLoads * kPass);  // steps per slot
   const int groups = (p.hidden + kRows - 1) / kRows, warps = gridDim.x * kWarps;
   for (int group = blockIdx.x * kWarps + threadIdx.x / kWarp; group < groups; group += warps) {
@@ -289,14 +296,7 @@ __global__ void __launch_bounds__(kMaxSlotWarps* kWarp) moe_down_slots_gemv_kern
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, warps = blockDim.x / kWarp;
   const int n0 = blockIdx.x * kRows;
   const TokenSlots slots = token_slots(p, lane);
-  bool waited = false;
-  auto wait_once = [&] {
-    if (!waited) {
-      pdl_wait();
-      pdl_trigger();
-      waited = true;
-    }
-  };
+  PdlWaitOnce wait_once;
   const int chunks = (p.inter + kLoads * kPass - 1) / (kLoads * kPass);  // steps per slot
   const int mine = (p.slots - warp + warps - 1) / warps;                 // this warp's slots
   float acc[kRows] = {};
