@@ -3,11 +3,15 @@
 // width; bf16 and fp32 outputs.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <deque>
+#include <string>
+#include <utility>
 
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/gemm.h"
 #include "backends/cuda/gemv.cuh"
+#include "backends/cuda/norm.cuh"
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "test_util.h"
@@ -135,6 +139,87 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemv,
                          [](const auto& info) {
                            return "M" + std::to_string(info.param.M) + "_K" + std::to_string(info.param.K);
                          });
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// The GEMV that normalises its own input (GemvInputNorm) against add_rmsnorm and then the plain
+// GEMV: x, the residual and every output bit for bit. Hidden sizes whose norm threads (norm_math.cuh)
+// are fewer than a GEMV block's 128 (32: K 16, 128), more and not a multiple of them (160: K 1040),
+// and six times as many (768: K 6144). Both run twice in a row, the fused one on one arrivals word:
+// the last block of the first launch must have set it back to 0 for the second to write the residual.
+TEST(CudaGemv, InputNormInsideIsTheNormThenTheGemv) {
+  TPMOE_REQUIRE_GPU();
+  const std::vector<int> widths = {100, 1, 257};
+  for (const auto& [M, K] : std::vector<std::pair<int, int>>{{2, 16}, {1, 128}, {3, 1040}, {8, 6144}}) {
+    SCOPED_TRACE("M " + std::to_string(M) + " K " + std::to_string(K));
+    const std::vector<float> residual = test::random_floats(size_t(M) * K, 3.0f, 70 + K);
+    const std::vector<float> norm_w = test::random_floats(size_t(K), 0.3f, 71 + K);
+    test::DeviceBuffer<__nv_bfloat16> partial(test::to_bf16(test::random_floats(size_t(M) * K, 1.0f, 72 + K)));
+    test::DeviceBuffer<float> dnorm_w(norm_w), res_ref(residual), res(residual);
+    test::DeviceBuffer<__nv_bfloat16> x_ref(size_t(M) * K), x(size_t(M) * K);
+    test::DeviceBuffer<unsigned> arrivals(std::vector<unsigned>{0u});
+    std::deque<test::DeviceBuffer<__nv_bfloat16>> weights;
+    std::deque<test::DeviceBuffer<float>> out_ref, out;  // fp32 and bf16 outputs both as fp32-sized buffers
+    cuda::GemvParams ref, fused;
+    ref.x = x_ref.get();
+    fused.x = x.get();
+    ref.M = fused.M = M;
+    ref.K = fused.K = K;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      const int N = widths[i];
+      weights.emplace_back(test::to_bf16(test::random_floats(size_t(N) * K, 0.02f, 80 + int(i))));
+      out_ref.emplace_back(size_t(M) * N);
+      out.emplace_back(size_t(M) * N);
+      const bool f32 = i % 2 == 1;
+      ref.outputs[ref.count++] = {weights.back().get(), nullptr, out_ref.back().get(), f32, N};
+      fused.outputs[fused.count++] = {weights.back().get(), nullptr, out.back().get(), f32, N};
+    }
+    fused.norm = {partial.get(), res.get(), dnorm_w.get(), 1e-6f, arrivals.get()};
+    ASSERT_TRUE(cuda::gemv_fits(fused));
+    for (int launch = 0; launch < 2; ++launch) {
+      cuda::launch_add_rmsnorm({partial.get(), res_ref.get(), dnorm_w.get(), x_ref.get(), M, K, 1e-6f}, nullptr);
+      cuda::launch_gemv(ref, nullptr);
+      cuda::launch_gemv(fused, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      EXPECT_TRUE(same_bits(res.download(), res_ref.download())) << "residual, launch " << launch;
+      EXPECT_TRUE(same_bits(x.download(), x_ref.download())) << "x, launch " << launch;
+      for (size_t i = 0; i < widths.size(); ++i)  // a bf16 output leaves the same poisoned tail in both
+        EXPECT_TRUE(same_bits(out[i].download(), out_ref[i].download())) << "output " << i << ", launch " << launch;
+      EXPECT_EQ(arrivals.download(), std::vector<unsigned>{0u});
+    }
+  }
+}
+
+// The norm inside pays where few blocks read the rows (a router), not where a thousand would (a
+// full-width projection at 8 tokens: 163 MB of reads from L2).
+TEST(CudaGemv, InputNormInsideOnlyWhereItPays) {
+  TPMOE_REQUIRE_GPU();
+  test::DeviceBuffer<__nv_bfloat16> x(8 * 6144), w(4096 * 6144), partial(8 * 6144);
+  test::DeviceBuffer<float> out(8 * 4096), residual(8 * 6144), norm_w(6144);
+  test::DeviceBuffer<unsigned> arrivals(1);
+  cuda::GemvParams p;
+  p.x = x.get();
+  p.M = 1;
+  p.K = 6144;
+  p.outputs[0] = {w.get(), nullptr, out.get(), true, 128};  // a router: 64 blocks
+  p.count = 1;
+  p.norm = {partial.get(), residual.get(), norm_w.get(), 1e-6f, arrivals.get()};
+  EXPECT_TRUE(cuda::gemv_norm_pays(p));
+  p.M = 8;
+  p.outputs[0].N = 4096;  // 512 blocks
+  EXPECT_TRUE(cuda::gemv_fits(p));
+  EXPECT_FALSE(cuda::gemv_norm_pays(p));
+  cuda::GemvParams q = p;
+  q.norm.arrivals = nullptr;
+  EXPECT_FALSE(cuda::gemv_fits(q));
+  q = p;
+  q.norm.residual = residual.get() + 1;  // not 16-byte aligned
+  EXPECT_FALSE(cuda::gemv_fits(q));
+  EXPECT_THROW(cuda::launch_gemv(q, nullptr), Error);
+}
 
 TEST(CudaGemv, DeclinesWhatItCannotRead) {
   TPMOE_REQUIRE_GPU();

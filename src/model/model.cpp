@@ -57,7 +57,28 @@ size_t Model::activation_bytes(const ModelConfig& c_, const RankShard& shard_, i
   return T * (4 * H + 3 * H * a + worst_layer) + size_t(max_logit_rows) * per_logit_row + 4 * kAllocSlack;
 }
 
-void Model::attention(int l, Tensor h, int T, Tensor out) {
+void Model::project(const SublayerInput& in, std::span<const Projection> items) {
+  const float eps = c_.rms_norm_eps;
+  auto linears = [&] {
+    if (items.size() == 1)
+      ops_.linear(in.h, items[0].weight, items[0].out);
+    else
+      ops_.linears(in.h, items);
+  };
+  if (in.residual.empty()) {
+    linears();
+  } else if (in.partial.empty()) {
+    ops_.rmsnorm(in.residual, in.norm_weight, eps, in.h);
+    linears();
+  } else if (in.reduce_in_norm) {
+    comm_.allreduce_add_rmsnorm(in.partial, in.residual, in.norm_weight, eps, in.h);
+    linears();
+  } else {
+    ops_.add_rmsnorm_linears(in.partial, in.residual, in.norm_weight, eps, in.h, items);
+  }
+}
+
+void Model::attention(int l, const SublayerInput& in, int T, Tensor out) {
   const AttentionWeights& a = w_.layers[l].attn;
   const int nq = shard_.num_q_heads, nkv = shard_.num_kv_heads, hd = c_.head_dim;
   const RopeParams rope{hd, c_.rotary_dim, float(c_.rope_theta), c_.rms_norm_eps};
@@ -90,7 +111,7 @@ void Model::attention(int l, Tensor h, int T, Tensor out) {
     p.topk_blocks = c_.index_topk_blocks;
     p.local_blocks = c_.index_local_blocks;
   }
-  ops_.linears(h, projections);
+  project(in, projections);
   Tensor attn = ops_.alloc(T, nq * hd);
   // The norm + RoPE of `rotate`, then attention (one call: the GPU stores k, v and index_k into the
   // cache from its norm + RoPE kernel).
@@ -98,15 +119,16 @@ void Model::attention(int l, Tensor h, int T, Tensor out) {
   ops_.linear(attn, a.o_proj, out);  // row-parallel: a partial sum under tp > 1
 }
 
-void Model::mlp(Tensor x, const MlpWeights& w, int T, Tensor out) {
+void Model::mlp(const SublayerInput& in, const MlpWeights& w, int T, Tensor out) {
   const int64_t n = w.down.dim(1);
   Tensor gate_up = ops_.alloc(T, 2 * n), act = ops_.alloc(T, n);
-  ops_.linear(x, w.gate_up, gate_up);
+  const Projection first{w.gate_up, gate_up};
+  project(in, {&first, 1});
   ops_.swiglu(gate_up, {c_.swiglu_alpha, c_.swiglu_limit}, act);
   ops_.linear(act, w.down, out);
 }
 
-void Model::moe(int l, Tensor h, int T, Tensor out) {
+void Model::moe(int l, const SublayerInput& in, int T, Tensor out) {
   const MoeWeights& m = w_.layers[l].moe;
   const bool fused = plan_.shared_expert.fused;
   RouterParams rp;
@@ -119,14 +141,18 @@ void Model::moe(int l, Tensor h, int T, Tensor out) {
   const int slots = rp.top_k + rp.num_shared_slots;
   Tensor logits = ops_.alloc_typed(T, c_.num_experts, DType::kF32);
   Tensor slot_ids = ops_.alloc_typed(T, slots, DType::kI32), slot_weights = ops_.alloc_typed(T, slots, DType::kF32);
-  ops_.linear(h, m.router, logits);
+  const Projection router{m.router, logits};
+  project(in, {&router, 1});
+  const Tensor h = in.h;
   ops_.route_experts(h, {logits, m.bias, rp, slot_ids, slot_weights}, m.experts_gate_up, m.experts_down,
                      {c_.swiglu_alpha, c_.swiglu_limit}, c_.routed_scaling_factor, out);
   // Unfused: the shared expert runs as its own MLP. Its partial sum joins the routed one before the
   // layer's single reduction (never reduced twice, never once each).
   if (!m.shared.gate_up.empty()) {
     Tensor shared = ops_.alloc(T, c_.hidden_size);
-    mlp(h, m.shared, T, shared);
+    SublayerInput ready;
+    ready.h = h;
+    mlp(ready, m.shared, T, shared);
     ops_.add(shared, out);
   }
 }
@@ -145,26 +171,15 @@ Tensor Model::forward(const StepTokens& step) {
     const LayerPlan& lp = plan_.layers[l];
     const LayerWeights& lw = w_.layers[l];
     const size_t layer_scratch = ops_.mark();
-    if (l == 0)
-      ops_.rmsnorm(residual, lw.input_norm, eps, h);
-    else if (lp.fuse_input_allreduce)
-      comm_.allreduce_add_rmsnorm(pending, residual, lw.input_norm, eps, h);
-    else
-      ops_.add_rmsnorm(pending, residual, lw.input_norm, eps, h);
-
-    attention(l, h, T, attn_out);
-    switch (lp.attention) {
-      case Reduce::kFusedIntoNorm:
-        comm_.allreduce_add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
-        break;
-      case Reduce::kImmediate: comm_.all_reduce(attn_out); [[fallthrough]];
-      default: ops_.add_rmsnorm(attn_out, residual, lw.post_attention_norm, eps, h);
-    }
-
+    // The input norm (of the embedding alone in the first layer) runs with the q/k/v projections.
+    attention(l, {h, residual, l == 0 ? Tensor() : pending, lw.input_norm, lp.fuse_input_allreduce}, T, attn_out);
+    if (lp.attention == Reduce::kImmediate) comm_.all_reduce(attn_out);
+    // The post-attention norm runs with the MLP's first projection (the router's, in a MoE layer).
+    const SublayerInput mlp_in{h, residual, attn_out, lw.post_attention_norm, lp.attention == Reduce::kFusedIntoNorm};
     if (c_.mlp_layer_types[l] == MlpType::kDense)
-      mlp(h, lw.dense, T, pending);
+      mlp(mlp_in, lw.dense, T, pending);
     else
-      moe(l, h, T, pending);
+      moe(l, mlp_in, T, pending);
     if (lp.mlp == Reduce::kImmediate) comm_.all_reduce(pending);
     ops_.release(layer_scratch);
   }

@@ -3,6 +3,7 @@
 // the fusion plan says: inside the next norm (fused), right away, or not at all (tp 1).
 #pragma once
 
+#include <span>
 #include <vector>
 
 #include "model/communicator.h"
@@ -39,10 +40,24 @@ class Model {
   Communicator& comm() { return comm_; }
 
  private:
+  // A sublayer's input h: ready, or made by the norm of the residual stream in front of the sublayer,
+  // which the sublayer runs together with its first projections (project(): one call, so a backend
+  // may fuse the norm into them).
+  struct SublayerInput {
+    Tensor h;
+    // Empty: h is ready. Set: residual += partial, then h = norm(residual) with norm_weight; the
+    // partial is all-reduced inside the norm when reduce_in_norm (the fusion plan), and there is none
+    // for the first layer's input norm (the residual is the embedding).
+    Tensor residual;
+    Tensor partial, norm_weight;
+    bool reduce_in_norm = false;
+  };
+  // The projections of the input's h, after its norm when it has one.
+  void project(const SublayerInput& in, std::span<const Projection> items);
   // Each writes its (partial-sum) output into `out`; temporaries come from the layer's scratch.
-  void attention(int layer, Tensor h, int T, Tensor out);
-  void mlp(Tensor x, const MlpWeights& w, int T, Tensor out);
-  void moe(int layer, Tensor h, int T, Tensor out);
+  void attention(int layer, const SublayerInput& in, int T, Tensor out);
+  void mlp(const SublayerInput& in, const MlpWeights& w, int T, Tensor out);
+  void moe(int layer, const SublayerInput& in, int T, Tensor out);
 
   const ModelConfig& c_;
   const FusionPlan& plan_;

@@ -183,6 +183,15 @@ class Ops {
   virtual void rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) = 0;
   // residual += partial; out = gemma_rmsnorm(residual) * (1 + w): the tp-1 / already-reduced form.
   virtual void add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) = 0;
+  // add_rmsnorm(partial, residual, weight, eps, out) and then linears(out, items), as one call, so
+  // that a backend may run the norm inside its projection kernel (the GPU does for a decode batch
+  // when its GEMV takes the projections and every block reading the rows costs less than a launch:
+  // gemv.cuh). The same results, out and the residual included.
+  virtual void add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out,
+                                   std::span<const Projection> items) {
+    add_rmsnorm(partial, residual, weight, eps, out);
+    linears(out, items);
+  }
   // y += x
   virtual void add(Tensor x, Tensor y) = 0;
   // out[T, N] = x[T, K] w[N, K]^T

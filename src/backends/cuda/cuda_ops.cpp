@@ -107,6 +107,8 @@ CudaOps::CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options)
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), reserve.arena_bytes));
   if (reserve.moe_workspace_bytes) CUDA_CHECK(cudaMalloc(&moe_workspace_, reserve.moe_workspace_bytes));
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_arrivals_), sizeof(unsigned)));
+  CUDA_CHECK(cudaMemsetAsync(norm_arrivals_, 0, sizeof(unsigned), stream_));
   // Token ids, positions, slots and logit rows: 4 arrays of max_tokens.
   const size_t step_bytes = (4 * size_t(reserve.max_tokens) + 1) * sizeof(int32_t);
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_device_), step_bytes));
@@ -144,6 +146,7 @@ CudaOps::~CudaOps() {
   if (sample_uploaded_) cudaEventDestroy(sample_uploaded_);
   cudaFree(attention_workspace_);
   cudaFree(moe_workspace_);
+  cudaFree(norm_arrivals_);
   cudaFree(arena_);
   cudaFree(step_device_);
   cudaFree(routed_);
@@ -325,6 +328,25 @@ void CudaOps::add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float 
   launch_add_rmsnorm({bf16(partial), residual.as<float>(), weight.as<float>(), bf16_mut(out), int(residual.dim(0)),
                       int(residual.dim(1)), eps},
                      stream_);
+}
+
+void CudaOps::add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out,
+                                  std::span<const Projection> items) {
+  GemvParams p;
+  if (partial.dtype == DType::kBF16 && residual.dtype == DType::kF32 && residual.dim(0) == out.dim(0) &&
+      residual.dim(1) == out.dim(1) && gemv_params(out, items, p)) {
+    p.norm = {bf16(partial), residual.as<float>(), weight.as<float>(), eps, norm_arrivals_};
+    if (gemv_norm_pays(p)) {
+      const auto timer = timed(fmt::format("add_rmsnorm + linears x{}", items.size()));
+      launch_gemv(p, stream_);
+      return;
+    }
+  }
+  add_rmsnorm(partial, residual, weight, eps, out);
+  if (items.size() == 1)
+    linear(out, items[0].weight, items[0].out);
+  else
+    linears(out, items);
 }
 
 void CudaOps::add(Tensor x, Tensor y) {

@@ -9,9 +9,13 @@
 // multiplied. The activations [M][K] are copied into shared memory once per block after the PDL
 // wait; the first weight loads go before it. Sums: each lane accumulates its k chunks in order,
 // then one warp reduction per (row, token), then the k-split partials in warp order.
+// With an input norm (GemvInputNorm) the block computes x itself where it would copy it: the norm
+// threads of norm_math.cuh run by its 4 warps, so x, the residual and the outputs are the bits of
+// add_rmsnorm followed by the plain GEMV.
 #include "backends/cuda/gemv.cuh"
 
 #include "backends/cuda/kernel_utils.cuh"
+#include "backends/cuda/norm_math.cuh"
 #include "backends/cuda/weight_loads.cuh"
 
 #include <string>
@@ -30,15 +34,99 @@ constexpr int kMaxKSplit = kGemvWarps;
 constexpr int kFillRowPairs = 1024;
 constexpr size_t kMaxActivationBytes = 200 * 1024;  // x in shared memory (227 KiB per block on Hopper)
 constexpr size_t kPartialBytes = kGemvWarps * kRowsPerWarp * kGemvMaxM * sizeof(float);  // k-split sums
+// Redundant reads an input norm inside the GEMV may cost (every block reads the rows from L2) before
+// its own launch is the cheaper choice: a judgment (a launch in a chain costs 2-3 us; 4 MiB spread
+// over the blocks' L2 reads is well under that), not a measured break-even.
+constexpr size_t kNormInsideMaxBytes = 4u << 20;
 
 struct GemvBatch {
-  const uint16_t* x = nullptr;  // bf16 bits [M][K]
+  uint16_t* x = nullptr;  // bf16 bits [M][K]: read, or written by block 0 (norm.residual set)
   int K = 0;
   GemvOutput outputs[kMaxGemvOutputs];
   int block_begin[kMaxGemvOutputs + 1] = {};
   int k_split[kMaxGemvOutputs] = {};  // warps per row pair (1, 2 or 4), per output
   int count = 0;
+  GemvInputNorm norm;
 };
+
+// x = the input norm of the M residual rows (GemvInputNorm), into shared memory. The norm threads of
+// norm_math.cuh (norm warp v: chunks 32v + lane, + norm_threads, ...) run on the block's warps, warp w
+// taking norm warps w, w + kGemvWarps, ...; every warp then adds the norm warps' sums in block_sum's
+// shape itself. Returns after a barrier, with every read of the residual done.
+template <int M>
+__device__ void stage_normed_rows(const GemvBatch& b, uint16_t* xs) {
+  __shared__ float norm_warp_sums[M][kMaxBlockThreads / kWarp];
+  const GemvInputNorm& n = b.norm;
+  const int K = b.K, chunks = K / 8, threads = norm_threads(K), norm_warps = threads / kWarp;
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const float4* w4 = reinterpret_cast<const float4*>(n.weight);
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4* res4 = reinterpret_cast<const float4*>(n.residual + size_t(m) * K);
+    const uint4* part = reinterpret_cast<const uint4*>(n.partial + size_t(m) * K);
+    for (int v = warp; v < norm_warps; v += kGemvWarps) {
+      float ss = 0.f;
+      for (int c = v * kWarp + lane; c < chunks; c += threads) {
+        float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
+        ss = add_chunk_sum_squares(r0, r1, part + c, ss);
+      }
+      ss = warp_sum(ss);
+      if (lane == 0) norm_warp_sums[m][v] = ss;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4* res4 = reinterpret_cast<const float4*>(n.residual + size_t(m) * K);
+    const uint4* part = reinterpret_cast<const uint4*>(n.partial + size_t(m) * K);
+    const float inv = inverse_rms(warp_sum(lane < norm_warps ? norm_warp_sums[m][lane] : 0.f), K, n.eps);
+    for (int c = tid; c < chunks; c += blockDim.x) {
+      float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
+      add_chunk_sum_squares(r0, r1, part + c, 0.f);  // the same sums as above (its squares unused)
+      reinterpret_cast<uint4*>(xs + size_t(m) * K)[c] = normed_chunk(r0, r1, __ldg(&w4[2 * c]), __ldg(&w4[2 * c + 1]), inv);
+    }
+  }
+  __syncthreads();
+}
+
+// The norm weight into L1 before the PDL wait (it never depends on the previous kernel): a 128-byte
+// line a thread.
+__device__ __forceinline__ void prefetch_norm_weight(const GemvBatch& b) {
+  constexpr int kLineFloats = 32;
+  for (int i = threadIdx.x; i * kLineFloats < b.K; i += blockDim.x)
+    asm volatile("prefetch.global.L1 [%0];\n" ::"l"(b.norm.weight + i * kLineFloats));
+}
+
+// After stage_normed_rows, the block counts itself among those done reading the residual (every read
+// went into its barrier's values), and block 0 stores x. Thread 0's count comes back while the block
+// streams its weights; finish_norm reads it.
+template <int M>
+__device__ __forceinline__ unsigned arrive_norm(const GemvBatch& b, const uint16_t* xs) {
+  if (blockIdx.x == 0)
+    for (int i = threadIdx.x; i < M * b.K / 8; i += blockDim.x)
+      reinterpret_cast<uint4*>(b.x)[i] = reinterpret_cast<const uint4*>(xs)[i];
+  return threadIdx.x == 0 ? atomicAdd(b.norm.arrivals, 1u) : 0u;
+}
+
+// The last block to arrive (all blocks have read the residual) writes the residual rows' new sums and
+// sets the count back to 0 for the next launch; its writes depend on the count it got, so no block's
+// read sees a new sum. Call with every thread, after the main loop; contains a barrier.
+template <int M>
+__device__ void finish_norm(const GemvBatch& b, unsigned arrived_before) {
+  __shared__ bool last;
+  if (threadIdx.x == 0) last = arrived_before == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  const GemvInputNorm& n = b.norm;
+  for (int i = threadIdx.x; i < M * b.K / 8; i += blockDim.x) {
+    float4* res4 = reinterpret_cast<float4*>(n.residual) + 2 * size_t(i);
+    float4 r0 = res4[0], r1 = res4[1];
+    add_chunk_sum_squares(r0, r1, reinterpret_cast<const uint4*>(n.partial) + i, 0.f);
+    res4[0] = r0;
+    res4[1] = r1;
+  }
+  if (threadIdx.x == 0) *n.arrivals = 0u;
+}
 
 // Rows of one output a block covers: kRowsPerWarp per group of k_split warps.
 __host__ __device__ constexpr int rows_per_block(int k_split) { return kGemvWarps / k_split * kRowsPerWarp; }
@@ -83,12 +171,20 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
   };
   int k0 = slice * kPass + lane * kPerLoad;
   load(k0);  // weights never depend on the previous kernel: these loads overlap its tail
+  const bool norm = b.norm.residual != nullptr;
+  if (norm) prefetch_norm_weight(b);
 
   pdl_wait();
   pdl_trigger();
-  for (int i = tid; i < M * K / 8; i += blockDim.x)
-    reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(b.x)[i];
-  __syncthreads();
+  unsigned arrived_before = 0;
+  if (norm) {
+    stage_normed_rows<M>(b, xs);
+    arrived_before = arrive_norm<M>(b, xs);
+  } else {
+    for (int i = tid; i < M * K / 8; i += blockDim.x)
+      reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(b.x)[i];
+    __syncthreads();
+  }
 
   float acc[kRowsPerWarp][M];
 #pragma unroll
@@ -139,6 +235,7 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
       if (lane == 0) partial[(warp * kRowsPerWarp + r) * kGemvMaxM + m] = v;
     }
   __syncthreads();
+  if (norm) finish_norm<M>(b, arrived_before);
   // Lanes of a group's first warp write its rows: the k slices' sums added in slice order.
   if (slice != 0 || lane >= kRowsPerWarp * M) return;
   const int r = lane / M, m = lane % M, n = row0 + r;
@@ -183,6 +280,18 @@ int choose_k_split(int N, int K, bool fp8) {
   return split;
 }
 
+// Blocks of the launch: the outputs' row groups end to end (block_begin), per their k split.
+int64_t lay_out_blocks(const GemvParams& p, GemvBatch& b) {
+  for (int i = 0; i < p.count; ++i) {
+    b.k_split[i] = choose_k_split(p.outputs[i].N, p.K, p.outputs[i].w_scale != nullptr);
+    const int rows = rows_per_block(b.k_split[i]);
+    const int64_t end = int64_t(b.block_begin[i]) + (p.outputs[i].N + rows - 1) / rows;
+    if (end > 0x7fffffff) return end;
+    b.block_begin[i + 1] = int(end);
+  }
+  return b.block_begin[p.count];
+}
+
 }  // namespace
 
 bool gemv_fits(const GemvParams& p) {
@@ -193,27 +302,41 @@ bool gemv_fits(const GemvParams& p) {
     const GemvOutput& o = p.outputs[i];
     if ((o.w_scale != nullptr) != fp8 || !aligned16(o.w) || o.N < 1) return false;
   }
+  const GemvInputNorm& n = p.norm;
+  if (n.residual != nullptr && (!aligned16(n.residual) || !aligned16(n.partial) || !aligned16(n.weight) ||
+                                n.arrivals == nullptr))
+    return false;
   return true;
+}
+
+bool gemv_norm_pays(const GemvParams& p) {
+  if (!gemv_fits(p)) return false;
+  GemvBatch b;
+  const int64_t blocks = lay_out_blocks(p, b);
+  // Each block reads the M rows of residual (fp32) and partial (bf16) and the norm weight (fp32).
+  const size_t per_block = size_t(p.M) * p.K * (sizeof(float) + sizeof(uint16_t)) + size_t(p.K) * sizeof(float);
+  return size_t(blocks) * per_block <= kNormInsideMaxBytes;
 }
 
 void launch_gemv(const GemvParams& p, cudaStream_t stream) {
   check_arg(gemv_fits(p),
             "launch_gemv: operands it does not take (M in [1, 8], K % 16 (MXFP8: 32), 16-byte "
-            "aligned x and weights, one weight format, at most 6 outputs)");
+            "aligned x and weights, one weight format, at most 6 outputs; an input norm's partial, "
+            "residual and weight 16-byte aligned, its arrivals word set)");
   GemvBatch b;
-  b.x = reinterpret_cast<const uint16_t*>(p.x);
+  b.x = reinterpret_cast<uint16_t*>(const_cast<__nv_bfloat16*>(p.x));
   b.K = p.K;
   b.count = p.count;
+  b.norm = p.norm;
   for (int i = 0; i < p.count; ++i) {
     const GemvOutput& o = p.outputs[i];
     check_arg(o.out != nullptr && o.out != static_cast<const void*>(p.x), "launch_gemv: every output set, none is x");
+    check_arg(p.norm.residual == nullptr || (o.out != static_cast<const void*>(p.norm.residual) &&
+                                             o.out != static_cast<const void*>(p.norm.partial)),
+              "launch_gemv: no output is the input norm's residual or partial");
     b.outputs[i] = o;
-    b.k_split[i] = choose_k_split(o.N, p.K, o.w_scale != nullptr);
-    const int rows = rows_per_block(b.k_split[i]);
-    const int64_t end = int64_t(b.block_begin[i]) + (o.N + rows - 1) / rows;
-    check_arg(end <= 0x7fffffff, "launch_gemv: too many weight rows for one launch");
-    b.block_begin[i + 1] = int(end);
   }
+  check_arg(lay_out_blocks(p, b) <= 0x7fffffff, "launch_gemv: too many weight rows for one launch");
   const size_t smem = kPartialBytes + size_t(p.M) * p.K * sizeof(uint16_t);
   if (p.outputs[0].w_scale != nullptr)
     launch_format<true>(p.M, b, smem, stream);

@@ -26,16 +26,38 @@ struct GemvOutput {
   int N = 0;
 };
 
+// The input norm a GEMV may run itself (tp 1: nothing to reduce first): residual[M, K] += partial;
+// x = gemma_rmsnorm(residual) * (1 + weight), as add_rmsnorm computes them, bit for bit (norm_math.cuh).
+// Every block normalises the M rows into its shared memory (they are small and L2-hot); block 0 also
+// writes them to x, and the last block to finish reading the residual writes the sums back (a count
+// of arrived blocks in `arrivals`, which that block sets back to zero). So one launch does the norm and
+// the projections, at the price of every block reading the rows: gemv_norm_pays says when that is less
+// than the launch it saves.
+struct GemvInputNorm {
+  const __nv_bfloat16* partial = nullptr;  // [M, K]
+  float* residual = nullptr;               // [M, K] fp32, updated
+  const float* weight = nullptr;           // [K] fp32
+  float eps = 0;
+  unsigned* arrivals = nullptr;  // a device word that is 0 between launches (none may share it at once)
+};
+
 struct GemvParams {
-  const __nv_bfloat16* x = nullptr;  // [M, K]
+  const __nv_bfloat16* x = nullptr;  // [M, K]: read, or written when norm.residual is set
   int M = 0, K = 0;
   GemvOutput outputs[kMaxGemvOutputs];
   int count = 0;
+  GemvInputNorm norm;  // norm.residual set: x = the norm of the residual stream (above)
 };
 
 // Whether launch_gemv takes these operands: 1 <= M <= kGemvMaxM, K % 16 == 0 (K % 32 for MXFP8),
-// 16-byte aligned x and weights, every output of one weight format, x small enough for shared memory.
+// 16-byte aligned x and weights, every output of one weight format, x small enough for shared memory;
+// with an input norm, 16-byte aligned partial, residual and weight and an arrivals word.
 bool gemv_fits(const GemvParams& p);
+// Whether running the input norm inside the GEMV (every block reading M rows of residual and partial
+// and the norm weight) costs less than the norm's own launch: when those redundant reads, from L2,
+// stay under a few megabytes. False for the wide projections of a full-width model (1000+ blocks),
+// true for narrow ones (a router, a small model's layers).
+bool gemv_norm_pays(const GemvParams& p);
 void launch_gemv(const GemvParams& p, cudaStream_t stream);
 
 }  // namespace tpmoe::cuda

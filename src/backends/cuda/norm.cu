@@ -26,7 +26,9 @@
 #include "backends/cuda/norm.cuh"
 
 #include "backends/cuda/kernel_utils.cuh"
+#include "backends/cuda/norm_math.cuh"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "backends/cuda/cuda_check.h"
@@ -58,16 +60,11 @@ __global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNorm
     float4* res4 = reinterpret_cast<float4*>(res);
     for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
       float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
+      ss = add_chunk_sum_squares(r0, r1, part ? reinterpret_cast<const uint4*>(part) + c : nullptr, ss);
       if (part) {
-        float d[8];
-        unpack_bf16x8(reinterpret_cast<const uint4*>(part)[c], d);
-        r0.x += d[0], r0.y += d[1], r0.z += d[2], r0.w += d[3];
-        r1.x += d[4], r1.y += d[5], r1.z += d[6], r1.w += d[7];
         res4[2 * c] = r0;
         res4[2 * c + 1] = r1;
       }
-      ss += r0.x * r0.x + r0.y * r0.y + r0.z * r0.z + r0.w * r0.w;
-      ss += r1.x * r1.x + r1.y * r1.y + r1.z * r1.z + r1.w * r1.w;
     }
   } else {
     for (int i = threadIdx.x; i < H; i += blockDim.x) {
@@ -80,22 +77,15 @@ __global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNorm
     }
   }
   ss = block_sum(ss);
-  const float inv = 1.f / sqrtf(ss / float(H) + p.eps);
+  const float inv = inverse_rms(ss, H, p.eps);
 
   // Same stride as pass 1: each thread reads back exactly the residual elements it wrote.
   if constexpr (kVec) {
     const float4* res4 = reinterpret_cast<const float4*>(res);
     const float4* w4 = reinterpret_cast<const float4*>(p.weight);
-    for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
-      const float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
-      const float4 w0 = __ldg(&w4[2 * c]), w1 = __ldg(&w4[2 * c + 1]);
-      const float v[8] = {r0.x, r0.y, r0.z, r0.w, r1.x, r1.y, r1.z, r1.w};
-      const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-      float y[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) y[j] = v[j] * inv * (1.f + w[j]);
-      reinterpret_cast<uint4*>(out)[c] = pack_bf16x8(y);
-    }
+    for (int c = threadIdx.x; c < H / 8; c += blockDim.x)
+      reinterpret_cast<uint4*>(out)[c] =
+          normed_chunk(res4[2 * c], res4[2 * c + 1], __ldg(&w4[2 * c]), __ldg(&w4[2 * c + 1]), inv);
   } else {
     for (int i = threadIdx.x; i < H; i += blockDim.x)
       out[i] = __float2bfloat16_rn(res[i] * inv * (1.f + __ldg(&p.weight[i])));
@@ -203,9 +193,9 @@ void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream) {
   check_arg(p.residual && p.weight && p.out, "add_rmsnorm: residual, weight and out must be set");
   const bool vec = p.hidden % 8 == 0 && aligned16(p.residual) && aligned16(p.weight) && aligned16(p.out) &&
                    (p.partial == nullptr || aligned16(p.partial));
-  const int units = vec ? p.hidden / 8 : p.hidden;  // work items per row
-  int threads = (units + kWarp - 1) / kWarp * kWarp;
-  threads = threads < kMaxNormThreads ? threads : kMaxNormThreads;
+  // The vector path's block is norm_math.cuh's norm threads (the GEMV that normalises its own input
+  // sums a row in that shape too); the scalar one a thread per element, up to the same limit.
+  const int threads = vec ? norm_threads(p.hidden) : std::min((p.hidden + kWarp - 1) / kWarp * kWarp, kMaxNormThreads);
   launch_pdl(vec ? add_rmsnorm_kernel<true> : add_rmsnorm_kernel<false>, dim3(unsigned(p.rows)),
              dim3(unsigned(threads)), 0, stream, true, p);
 }
