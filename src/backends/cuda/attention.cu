@@ -35,7 +35,7 @@
 //
 // Workspace layout (attention_workspace_bytes): [kept int32 T*nih*topk][pad to 256 B]
 //   [ml float2 T*nq*S][acc float T*nq*S*HD], the partials only when S > 1. The number of splits S
-//   is chosen so that T*nq*S <= kMaxPartialRows (16384) and chunks are >= 256 keys.
+//   is chosen so that T*nq*S <= kMaxPartialRows (16384) and chunks are >= kMinChunk (64) keys.
 // Layouts: q/out [T, nq*hd], k/v [T, nkv*hd], index_q [T, nih*ihd], index_k [T, ihd], all bf16
 // row-major; cache as in kv_cache.cuh. All pointers 16-byte aligned, hd and ihd multiples of 8.
 // FLOPs for decode: 4*T*L*nq*hd (QK and PV); the indexer adds 2*T*L*nih*ihd.
@@ -55,7 +55,11 @@ namespace {
 constexpr int kTile = 32;                   // keys per attention tile: one per lane
 constexpr int kMaxWarps = 16;               // query heads one attention block serves
 constexpr int kMaxTopk = 256;               // kept blocks per (token, index head) the kernels support
-constexpr int kMinChunk = 256;              // keys per split, at least
+// Keys per split, at least: two tiles. A split's tiles run one after another in one block (each a
+// load, a barrier, the scores and the sums: ~3 us), so where the grid is small (decode at batch 1:
+// one block per KV head) the splits are the parallelism; 256 keys a split made a 190-key context
+// one block walking six tiles (12.5 us at 70 keys under Nsight Compute at the tp-8 rank).
+constexpr int kMinChunk = 64;
 constexpr int64_t kMaxPartialRows = 16384;  // (token, q head, split) partial rows, at most
 constexpr int kSelectThreads = 256;
 constexpr int kCacheWriteThreads = 128;
