@@ -52,9 +52,9 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kTile = 32;                   // keys per attention tile: one per lane
-constexpr int kMaxWarps = 16;               // query heads one attention block serves
-constexpr int kMaxTopk = 256;               // kept blocks per (token, index head) the kernels support
+constexpr int kTile = 32;      // keys per attention tile: one per lane
+constexpr int kMaxWarps = 16;  // query heads one attention block serves
+constexpr int kMaxTopk = 256;  // kept blocks per (token, index head) the kernels support
 // Keys per split, at least: two tiles. A split's tiles run one after another in one block (each a
 // load, a barrier, the scores and the sums: ~3 us), so where the grid is small (decode at batch 1:
 // one block per KV head) the splits are the parallelism; 256 keys a split made a 190-key context

@@ -83,7 +83,8 @@ __device__ void stage_normed_rows(const GemvBatch& b, uint16_t* xs) {
     for (int c = tid; c < chunks; c += blockDim.x) {
       float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
       add_chunk_sum_squares(r0, r1, part + c, 0.f);  // the same sums as above (its squares unused)
-      reinterpret_cast<uint4*>(xs + size_t(m) * K)[c] = normed_chunk(r0, r1, __ldg(&w4[2 * c]), __ldg(&w4[2 * c + 1]), inv);
+      reinterpret_cast<uint4*>(xs + size_t(m) * K)[c] =
+          normed_chunk(r0, r1, __ldg(&w4[2 * c]), __ldg(&w4[2 * c + 1]), inv);
     }
   }
   __syncthreads();
@@ -303,8 +304,8 @@ bool gemv_fits(const GemvParams& p) {
     if ((o.w_scale != nullptr) != fp8 || !aligned16(o.w) || o.N < 1) return false;
   }
   const GemvInputNorm& n = p.norm;
-  if (n.residual != nullptr && (!aligned16(n.residual) || !aligned16(n.partial) || !aligned16(n.weight) ||
-                                n.arrivals == nullptr))
+  if (n.residual != nullptr &&
+      (!aligned16(n.residual) || !aligned16(n.partial) || !aligned16(n.weight) || n.arrivals == nullptr))
     return false;
   return true;
 }

@@ -3,8 +3,8 @@
 // launch. At decode a linear is a stream of its weights with next to no arithmetic, so the kernel is
 // built for that stream: each warp reads whole weight rows with 16-byte loads that skip L1, the
 // activations sit in shared memory, products and sums are fp32, one warp reduction per output.
-// Weights are bf16, or MXFP8 (e4m3 with an E8M0 exponent per 32 consecutive k, widened to bf16 in
-// registers exactly as the grouped GEMM does). Launched with PDL: the first weight loads are issued
+// Weights are bf16, or MXFP8 (e4m3 with an E8M0 exponent per 32 consecutive k, widened exactly in
+// registers: weight_loads.cuh's widen_e4m3x16 and dot16_scaled). Launched with PDL: the first weight loads are issued
 // before the wait for the previous kernel (weights never depend on it).
 #pragma once
 

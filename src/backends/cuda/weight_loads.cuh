@@ -1,6 +1,7 @@
 // How the weight-streaming kernels (the MoE grouped GEMM, the decode GEMVs) read weights: 16- and
 // 8-byte loads that skip L1 (weights are read once) with 256-byte L2 fetches, the exact widening of
-// MXFP8 (e4m3 x E8M0 block scale) to bf16 in registers, and the GEMVs' fp32 dot of 8 bf16 pairs.
+// MXFP8 (e4m3 x E8M0 block scale) in registers (to bf16 for the grouped GEMM's mma; to fp32 for the
+// GEMVs, the block scale applied once per 32-block sum), and the GEMVs' fp32 dot of 8 bf16 pairs.
 // Device code only.
 #pragma once
 
@@ -71,8 +72,7 @@ __device__ __forceinline__ void widen_e4m3x16(uint4 raw, float (&out)[16]) {
   for (int w = 0; w < 4; ++w) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const __half2_raw h =
-          __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[w] >> (16 * half)), __NV_E4M3);
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(words[w] >> (16 * half)), __NV_E4M3);
       const float2 f = __half22float2(__half2(h));
       out[4 * w + 2 * half] = f.x;
       out[4 * w + 2 * half + 1] = f.y;
@@ -82,9 +82,7 @@ __device__ __forceinline__ void widen_e4m3x16(uint4 raw, float (&out)[16]) {
 
 // 2^(s - 127) for an E8M0 exponent s < 255 (the loader rejects 255, NaN), as fp32: s = 0 is the
 // subnormal 2^-127.
-__device__ __forceinline__ float e8m0_to_float(uint32_t s) {
-  return __uint_as_float(s == 0 ? 0x00400000u : s << 23);
-}
+__device__ __forceinline__ float e8m0_to_float(uint32_t s) { return __uint_as_float(s == 0 ? 0x00400000u : s << 23); }
 
 // acc + scale * (w . x) over 16 widened weights (widen_e4m3x16) and their 16 bf16 activations: the
 // products summed in k order in fp32, then multiplied once by the block's scale (a power of two, so
