@@ -61,18 +61,23 @@ std::vector<float> exact_index_values(size_t n, uint64_t seed) {
 
 constexpr int kPageShift = 4;  // 16 positions a page
 
-CacheShape paged_shape(const AttnCase& c, int max_seqs) {
+// One layer's paged cache: pages of 1 << kPageShift positions, a page for every position of every slot.
+CacheShape paged_shape(bool sparse, int nkv, int hd, int ihd, int max_seqs, int max_len) {
   CacheShape shape;
   shape.num_layers = 1;
-  shape.sparse_layer = {c.sparse};
-  shape.num_kv_heads = c.nkv;
-  shape.head_dim = c.hd;
-  shape.index_head_dim = c.sparse ? c.ihd : 0;
+  shape.sparse_layer = {sparse};
+  shape.num_kv_heads = nkv;
+  shape.head_dim = hd;
+  shape.index_head_dim = sparse ? ihd : 0;
   shape.max_seqs = max_seqs;
-  shape.max_len = c.max_len;
+  shape.max_len = max_len;
   shape.page_size = 1 << kPageShift;
   shape.num_pages = max_seqs * shape.pages_per_seq();
   return shape;
+}
+
+CacheShape paged_shape(const AttnCase& c, int max_seqs) {
+  return paged_shape(c.sparse, c.nkv, c.hd, c.ihd, max_seqs, c.max_len);
 }
 
 // Every page of the pool handed to some (slot, page) in shuffled order.
@@ -426,15 +431,7 @@ class RotateRun {
  public:
   RotateRun(const RotateCase& c, bool fused, const std::vector<int32_t>& page_table)
       : c_(c), fused_(fused), page_table_(page_table), ops_(reserve(c)) {
-    shape_.num_layers = 1;
-    shape_.sparse_layer = {c.sparse};
-    shape_.num_kv_heads = c.nkv;
-    shape_.head_dim = c.hd;
-    shape_.index_head_dim = c.sparse ? c.ihd : 0;
-    shape_.max_seqs = kRotateSlots;
-    shape_.max_len = kRotateMaxLen;
-    shape_.page_size = 1 << kPageShift;
-    shape_.num_pages = kRotateSlots * shape_.pages_per_seq();
+    shape_ = paged_shape(c.sparse, c.nkv, c.hd, c.ihd, kRotateSlots, kRotateMaxLen);
     ops_.init_cache(shape_);
     const cuda::KvCacheLayer& layer = ops_.cache_layer(0);
     CUDA_CHECK(cudaMemset(layer.k, 0xFF, kv_elems() * sizeof(bf16)));

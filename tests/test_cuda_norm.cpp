@@ -35,6 +35,21 @@ using test::to_bf16;
 
 constexpr float kEps = 1e-6f;
 
+// One head_norm_rope tensor of `tokens` x `heads` heads (x is set where the test knows it).
+cuda::HeadNormRopeParams rope_params(const float* weight, const int32_t* positions, int tokens, int heads, int head_dim,
+                                     int rotary_dim, float theta) {
+  cuda::HeadNormRopeParams p;
+  p.weight = weight;
+  p.positions = positions;
+  p.num_tokens = tokens;
+  p.num_heads = heads;
+  p.head_dim = head_dim;
+  p.rotary_dim = rotary_dim;
+  p.theta = theta;
+  p.eps = kEps;
+  return p;
+}
+
 struct NormCase {
   int rows;
   int hidden;
@@ -157,16 +172,9 @@ void check_head_norm_rope(const RopeCase& c, uint64_t seed) {
   DeviceBuffer<__nv_bfloat16> d_x(to_bf16(x));
   DeviceBuffer<float> d_weight(weight);
   DeviceBuffer<int32_t> d_pos(positions);
-  cuda::HeadNormRopeParams p;
+  cuda::HeadNormRopeParams p =
+      rope_params(d_weight.get(), d_pos.get(), c.tokens, c.heads, c.head_dim, c.rotary_dim, c.theta);
   p.x = d_x.get();
-  p.weight = d_weight.get();
-  p.positions = d_pos.get();
-  p.num_tokens = c.tokens;
-  p.num_heads = c.heads;
-  p.head_dim = c.head_dim;
-  p.rotary_dim = c.rotary_dim;
-  p.theta = c.theta;
-  p.eps = kEps;
   cuda::launch_head_norm_rope(p, nullptr);
 
   // Oracle: the CPU op on the same bf16-rounded input (fp32 throughout), at the same positions.
@@ -236,16 +244,7 @@ TEST(CudaNorm, HeadNormRopeBatchEqualsOneLaunchEach) {
     batched.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(x));
     single.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(x));
     weights.push_back(std::make_unique<DeviceBuffer<float>>(random_floats(size_t(c.head_dim), 0.1f, seed++)));
-    cuda::HeadNormRopeParams p;
-    p.weight = weights.back()->get();
-    p.positions = d_pos.get();
-    p.num_tokens = T;
-    p.num_heads = c.heads;
-    p.head_dim = c.head_dim;
-    p.rotary_dim = c.rotary_dim;
-    p.theta = c.theta;
-    p.eps = kEps;
-    params.push_back(p);
+    params.push_back(rope_params(weights.back()->get(), d_pos.get(), T, c.heads, c.head_dim, c.rotary_dim, c.theta));
   }
   for (size_t i = 0; i < params.size(); ++i) {
     params[i].x = batched[i]->get();
@@ -316,16 +315,8 @@ TEST(CudaNorm, HeadNormRopeStoresIntoThePagedCache) {
       stored.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(x));
       caches.push_back(std::make_unique<DeviceBuffer<__nv_bfloat16>>(size_t(kPoolRows) * it.heads * it.head_dim));
       weights.push_back(std::make_unique<DeviceBuffer<float>>(random_floats(size_t(it.head_dim), 0.1f, seed++)));
-      cuda::HeadNormRopeParams p;
-      p.weight = weights.back()->get();
-      p.positions = d_pos.get();
-      p.num_tokens = T;
-      p.num_heads = it.heads;
-      p.head_dim = it.head_dim;
-      p.rotary_dim = std::min(c.rotary_dim, it.head_dim);
-      p.theta = 5e6f;
-      p.eps = kEps;
-      params.push_back(p);
+      params.push_back(rope_params(weights.back()->get(), d_pos.get(), T, it.heads, it.head_dim,
+                                   std::min(c.rotary_dim, it.head_dim), 5e6f));
     }
     const std::vector<__nv_bfloat16> v = to_bf16(random_floats(size_t(T) * kv_row, 1.f, seed++));
     DeviceBuffer<__nv_bfloat16> d_v(v), d_v_cache(size_t(kPoolRows) * kv_row);
