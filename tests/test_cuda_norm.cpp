@@ -375,15 +375,8 @@ TEST(CudaNorm, HeadNormRopeCacheStoreRejectsBadArguments) {
   DeviceBuffer<float> d_w{size_t(hd)};
   DeviceBuffer<int32_t> d_pos(std::vector<int32_t>{1}), d_slots(std::vector<int32_t>{0}),
       d_table(std::vector<int32_t>{0});
-  cuda::HeadNormRopeParams p;
+  cuda::HeadNormRopeParams p = rope_params(d_w.get(), d_pos.get(), 1, 1, hd, 32, 1e4f);
   p.x = d_x.get();
-  p.weight = d_w.get();
-  p.positions = d_pos.get();
-  p.num_tokens = 1;
-  p.num_heads = 1;
-  p.head_dim = hd;
-  p.rotary_dim = 32;
-  p.theta = 1e4f;
   p.cache = d_cache.get();
   cuda::CacheRowStore store;
   store.pages = {d_table.get(), 2, 1};
@@ -419,15 +412,9 @@ TEST(CudaNorm, HeadNormRopeRejectsUnsupportedShapes) {
   DeviceBuffer<__nv_bfloat16> d_x(size_t(512));
   DeviceBuffer<float> d_w(size_t(512));
   DeviceBuffer<int32_t> d_pos(std::vector<int32_t>{0});
-  cuda::HeadNormRopeParams p;
+  // head_dim 512: above the 256 the kernel holds in registers.
+  cuda::HeadNormRopeParams p = rope_params(d_w.get(), d_pos.get(), 1, 1, 512, 64, 1e4f);
   p.x = d_x.get();
-  p.weight = d_w.get();
-  p.positions = d_pos.get();
-  p.num_tokens = 1;
-  p.num_heads = 1;
-  p.head_dim = 512;  // above the 256 the kernel holds in registers
-  p.rotary_dim = 64;
-  p.theta = 1e4f;
   EXPECT_THROW(cuda::launch_head_norm_rope(p, nullptr), Error);
   p.head_dim = 128;
   p.rotary_dim = 63;  // odd
