@@ -165,7 +165,6 @@ TEST(CudaGemv, InputNormInsideIsTheNormThenTheGemv) {
     std::deque<test::DeviceBuffer<float>> out_ref, out;  // fp32 and bf16 outputs both as fp32-sized buffers
     cuda::GemvParams ref, fused;
     ref.x = x_ref.get();
-    fused.x = x.get();
     ref.M = fused.M = M;
     ref.K = fused.K = K;
     for (size_t i = 0; i < widths.size(); ++i) {
@@ -177,7 +176,7 @@ TEST(CudaGemv, InputNormInsideIsTheNormThenTheGemv) {
       ref.outputs[ref.count++] = {weights.back().get(), nullptr, out_ref.back().get(), f32, N};
       fused.outputs[fused.count++] = {weights.back().get(), nullptr, out.back().get(), f32, N};
     }
-    fused.norm = {partial.get(), res.get(), dnorm_w.get(), 1e-6f, arrivals.get()};
+    fused.norm = {partial.get(), res.get(), dnorm_w.get(), 1e-6f, arrivals.get(), x.get()};
     ASSERT_TRUE(cuda::gemv_fits(fused));
     for (int launch = 0; launch < 2; ++launch) {
       cuda::launch_add_rmsnorm({partial.get(), res_ref.get(), dnorm_w.get(), x_ref.get(), M, K, 1e-6f}, nullptr);
@@ -206,7 +205,9 @@ TEST(CudaGemv, InputNormInsideOnlyWhereItPays) {
   p.K = 6144;
   p.outputs[0] = {w.get(), nullptr, out.get(), true, 128};  // a router: 64 blocks
   p.count = 1;
-  p.norm = {partial.get(), residual.get(), norm_w.get(), 1e-6f, arrivals.get()};
+  p.norm = {partial.get(), residual.get(), norm_w.get(), 1e-6f, arrivals.get(), x.get()};
+  EXPECT_FALSE(cuda::gemv_fits(p));  // with an input norm x is computed (norm.out): an x beside it is refused
+  p.x = nullptr;
   EXPECT_TRUE(cuda::gemv_norm_pays(p));
   p.M = 8;
   p.outputs[0].N = 4096;  // 512 blocks
@@ -214,6 +215,9 @@ TEST(CudaGemv, InputNormInsideOnlyWhereItPays) {
   EXPECT_FALSE(cuda::gemv_norm_pays(p));
   cuda::GemvParams q = p;
   q.norm.arrivals = nullptr;
+  EXPECT_FALSE(cuda::gemv_fits(q));
+  q = p;
+  q.norm.out = nullptr;
   EXPECT_FALSE(cuda::gemv_fits(q));
   q = p;
   q.norm.residual = residual.get() + 1;  // not 16-byte aligned

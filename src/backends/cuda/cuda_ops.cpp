@@ -335,7 +335,8 @@ void CudaOps::add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight
   GemvParams p;
   if (partial.dtype == DType::kBF16 && residual.dtype == DType::kF32 && residual.dim(0) == out.dim(0) &&
       residual.dim(1) == out.dim(1) && gemv_params(out, items, p)) {
-    p.norm = {bf16(partial), residual.as<float>(), weight.as<float>(), eps, norm_arrivals_};
+    p.x = nullptr;  // the launch computes x: the norm's out
+    p.norm = {bf16(partial), residual.as<float>(), weight.as<float>(), eps, norm_arrivals_, bf16_mut(out)};
     if (gemv_norm_pays(p)) {
       const auto timer = timed(fmt::format("add_rmsnorm + linears x{}", items.size()));
       launch_gemv(p, stream_);

@@ -40,7 +40,7 @@ constexpr size_t kPartialBytes = kGemvWarps * kRowsPerWarp * kGemvMaxM * sizeof(
 constexpr size_t kNormInsideMaxBytes = 4u << 20;
 
 struct GemvBatch {
-  uint16_t* x = nullptr;  // bf16 bits [M][K]: read, or written by block 0 (norm.residual set)
+  const uint16_t* x = nullptr;  // bf16 bits [M][K], read (no input norm; with one, norm.out is written)
   int K = 0;
   GemvOutput outputs[kMaxGemvOutputs];
   int block_begin[kMaxGemvOutputs + 1] = {};
@@ -99,13 +99,13 @@ __device__ __forceinline__ void prefetch_norm_weight(const GemvBatch& b) {
 }
 
 // After stage_normed_rows, the block counts itself among those done reading the residual (every read
-// went into its barrier's values), and block 0 stores x. Thread 0's count comes back while the block
+// went into its barrier's values), and block 0 stores x (to norm.out). Thread 0's count comes back while the block
 // streams its weights; finish_norm reads it.
 template <int M>
 __device__ __forceinline__ unsigned arrive_norm(const GemvBatch& b, const uint16_t* xs) {
   if (blockIdx.x == 0)
     for (int i = threadIdx.x; i < M * b.K / 8; i += blockDim.x)
-      reinterpret_cast<uint4*>(b.x)[i] = reinterpret_cast<const uint4*>(xs)[i];
+      reinterpret_cast<uint4*>(b.norm.out)[i] = reinterpret_cast<const uint4*>(xs)[i];
   return threadIdx.x == 0 ? atomicAdd(b.norm.arrivals, 1u) : 0u;
 }
 
@@ -304,8 +304,8 @@ bool gemv_fits(const GemvParams& p) {
     if ((o.w_scale != nullptr) != fp8 || !aligned16(o.w) || o.N < 1) return false;
   }
   const GemvInputNorm& n = p.norm;
-  if (n.residual != nullptr &&
-      (!aligned16(n.residual) || !aligned16(n.partial) || !aligned16(n.weight) || n.arrivals == nullptr))
+  if (n.residual != nullptr && (p.x != nullptr || n.out == nullptr || !aligned16(n.out) || !aligned16(n.residual) ||
+                                !aligned16(n.partial) || !aligned16(n.weight) || n.arrivals == nullptr))
     return false;
   return true;
 }
@@ -323,18 +323,19 @@ void launch_gemv(const GemvParams& p, cudaStream_t stream) {
   check_arg(gemv_fits(p),
             "launch_gemv: operands it does not take (M in [1, 8], K % 16 (MXFP8: 32), 16-byte "
             "aligned x and weights, one weight format, at most 6 outputs; an input norm's partial, "
-            "residual and weight 16-byte aligned, its arrivals word set)");
+            "residual, weight and out 16-byte aligned, its arrivals word set, x null)");
   GemvBatch b;
-  b.x = reinterpret_cast<uint16_t*>(const_cast<__nv_bfloat16*>(p.x));
+  b.x = reinterpret_cast<const uint16_t*>(p.x);
   b.K = p.K;
   b.count = p.count;
   b.norm = p.norm;
   for (int i = 0; i < p.count; ++i) {
     const GemvOutput& o = p.outputs[i];
     check_arg(o.out != nullptr && o.out != static_cast<const void*>(p.x), "launch_gemv: every output set, none is x");
-    check_arg(p.norm.residual == nullptr || (o.out != static_cast<const void*>(p.norm.residual) &&
-                                             o.out != static_cast<const void*>(p.norm.partial)),
-              "launch_gemv: no output is the input norm's residual or partial");
+    check_arg(p.norm.residual == nullptr ||
+                  (o.out != static_cast<const void*>(p.norm.residual) &&
+                   o.out != static_cast<const void*>(p.norm.partial) && o.out != static_cast<const void*>(p.norm.out)),
+              "launch_gemv: no output is the input norm's residual, partial or out");
     b.outputs[i] = o;
   }
   check_arg(lay_out_blocks(p, b) <= 0x7fffffff, "launch_gemv: too many weight rows for one launch");
