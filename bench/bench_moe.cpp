@@ -353,22 +353,24 @@ int main(int argc, char** argv) {
           std::vector<Variant> vs;
           auto v = defaults;
           v.auto_select = false;
+          v.batch_gemv = false;
           vs.push_back({"pdl+prefetch-always", v});
+          v = defaults;
+          v.auto_select = false;  // the few-token GEMVs at 2-8 tokens of either format
+          vs.push_back({"gemv", v});
           v = defaults;
           v.pdl = false;
           vs.push_back({"no-pdl", v});
           v = defaults;
           v.down_prefetch_bytes = 0;
           vs.push_back({"no-prefetch", v});
-          v = defaults;
-          v.block_m = 32;
-          vs.push_back({"bm32", v});
-          v = defaults;
-          v.block_m = 16;
-          vs.push_back({"bm16", v});
-          v = defaults;
-          v.block_m = 8;
-          vs.push_back({"bm8", v});
+          // The grouped GEMMs at each token block (where a GEMV path would take the batch: 1-8 tokens).
+          for (int bm : {32, 16, 8}) {
+            v = defaults;
+            v.block_m = bm;
+            v.single_token_gemv = v.batch_gemv = false;
+            vs.push_back({bm == 32 ? "gemm-bm32" : bm == 16 ? "gemm-bm16" : "gemm-bm8", v});
+          }
           char line[512];
           int n = std::snprintf(line, sizeof line, "I=%d T=%d default %.1f", I, T, t_fused);
           for (const auto& var : vs) {

@@ -1,7 +1,8 @@
 // The GPU MoE layer against the CPU oracle: the router (exact ids, ties to the lower id) and the
 // expert computation (binning by physical row, SwiGLU-OAI, weighted combine) at awkward shapes:
 // batch 1..256, repeated experts within a token, every token on one expert, shared rows at the end
-// of the row range, widths that are not multiples of the tiles or of the 16-byte vector width.
+// of the row range, widths that are not multiples of the tiles or of the 16-byte vector width; and
+// the GEMV paths for one token and for 2-8 tokens against the oracle and the general path.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/moe.cuh"
+#include "backends/cuda/moe_gemv.cuh"
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "test_util.h"
@@ -335,7 +337,8 @@ TEST(CudaMoeExperts, EveryTokenBlockWidthAndLaunchMode) {
       t.pdl = mode != 1;
       t.down_prefetch_bytes = mode == 2 ? 0 : (1 << 20);
       t.auto_select = false;
-      t.single_token_gemv = false;  // the T=1 cases below test the general path (SingleTokenPath: the GEMVs)
+      t.single_token_gemv = false;  // the T=1 and T=7 cases test the general path (the GEMVs: below)
+      t.batch_gemv = false;
       const std::string tag = " bm=" + std::to_string(bm) + " mode=" + std::to_string(mode);
       check_moe(make_inputs(1, 5, 256, 128, 17, 2.f, routed_plus_shared(1, 16, 4, 1, 101), 102), ("T=1" + tag).c_str(),
                 0, t);
@@ -378,6 +381,40 @@ TEST(CudaMoeExperts, SingleTokenPath) {
   }
 }
 
+// The few-token GEMVs of moe_gemv.cuh (2-8 tokens, after the alignment; by default only for MXFP8 at
+// 2-4 tokens, here asked for): against the oracle with and without PDL, and the general path on the
+// same inputs, at shapes with the shared
+// row in every token, repeats within a token, a row with more than 8 pairs (two token blocks of one
+// row), 11 slots, the tp-8 slice width (gate_up's k split) and rows not multiples of a pass.
+TEST(CudaMoeExperts, FewTokensPath) {
+  TPMOE_REQUIRE_GPU();
+  std::vector<std::pair<MoeInputs, std::string>> cases;
+  for (int T : {2, 3, 5, 8})
+    cases.emplace_back(make_inputs(T, 5, 256, 128, 17, 2.f, routed_plus_shared(T, 16, 4, 1, 131 + T), 132 + T),
+                       "T=" + std::to_string(T) + " H=256 I=128");
+  cases.emplace_back(make_inputs(8, 5, 1024, 384, 17, 2.f, routed_plus_shared(8, 16, 4, 1, 141), 142),
+                     "T=8 H=1024 I=384");
+  cases.emplace_back(make_inputs(2, 5, 1536, 48, 17, 1.f, routed_plus_shared(2, 16, 4, 1, 143), 144),
+                     "T=2 H=1536 I=48 (k split)");
+  std::vector<int32_t> rep;
+  for (int t = 0; t < 7; ++t) rep.insert(rep.end(), {2, 2, 2, 9, 16});  // row 2: 21 pairs, three blocks
+  cases.emplace_back(make_inputs(7, 5, 128, 64, 17, 0.75f, rep, 145), "repeats");
+  cases.emplace_back(make_inputs(4, 11, 256, 64, 17, 1.f, routed_plus_shared(4, 16, 10, 1, 146), 147), "11 slots");
+  cases.emplace_back(make_inputs(3, 3, 2056, 40, 6, 1.f, routed_plus_shared(3, 5, 2, 1, 148), 149),
+                     "H=2056 I=40 (rows not multiples of a pass)");
+  for (const auto& [in, name] : cases) {
+    for (int mode = 0; mode < 3; ++mode) {
+      cuda::MoeTuning t;
+      t.batch_gemv = mode != 2;
+      t.auto_select = false;  // by default launch_moe keeps bf16 weights on the grouped GEMMs
+      t.pdl = mode != 1;
+      MoeDevice probe(in, in.T);
+      EXPECT_TRUE(cuda::moe_gemv_batch_fits(probe.p)) << name << ": the case must take the few-token path";
+      check_moe(in, (name + " mode=" + std::to_string(mode)).c_str(), 0, t);
+    }
+  }
+}
+
 // A slot id outside [0, num_rows) is a routing bug: the token's output is NaN on either path.
 TEST(CudaMoeExperts, BadSlotIdGivesNaN) {
   TPMOE_REQUIRE_GPU();
@@ -388,6 +425,20 @@ TEST(CudaMoeExperts, BadSlotIdGivesNaN) {
     CUDA_CHECK(cudaMemset(dev.out.get(), 0, dev.out.size() * sizeof(__nv_bfloat16)));
     cuda::launch_moe(dev.p, nullptr);
     for (float v : from_bf16(dev.out.download())) ASSERT_TRUE(std::isnan(v)) << (gemv ? "GEMV path" : "general path");
+  }
+  // Two tokens, the second with the bad id: its row is NaN, the first token's is not.
+  for (bool gemv : {true, false}) {
+    MoeDevice dev(make_inputs(2, 3, 128, 64, 6, 1.f, {1, 2, 5, 1, 6, 5}, 124), 2);
+    dev.p.tuning.batch_gemv = gemv;
+    dev.p.tuning.auto_select = !gemv;  // bf16: the GEMVs only when asked for
+    CUDA_CHECK(cudaMemset(dev.out.get(), 0, dev.out.size() * sizeof(__nv_bfloat16)));
+    cuda::launch_moe(dev.p, nullptr);
+    const std::vector<float> out = from_bf16(dev.out.download());
+    const char* path = gemv ? "few-token GEMVs" : "general path";
+    for (int h = 0; h < 128; ++h) {
+      ASSERT_TRUE(std::isfinite(out[size_t(h)])) << path << ": token 0, row " << h;
+      ASSERT_TRUE(std::isnan(out[128 + size_t(h)])) << path << ": token 1, row " << h;
+    }
   }
 }
 

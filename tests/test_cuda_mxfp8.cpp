@@ -200,7 +200,11 @@ std::vector<int32_t> routed_plus_shared(int T, int E, int k, int n_shared, uint6
   return ids;
 }
 
-void check_moe_fp8(int T, int E, int k, int H, int I, const std::string& what, bool single_token_gemv = true) {
+// Which experts path launch_moe takes: its own choice, the GEMVs of moe_gemv.cuh (1 token; 2-8 tokens)
+// where they take the shape, or the general path (grouped GEMMs).
+enum class MoePath { kDefault, kGemv, kGeneral };
+
+void check_moe_fp8(int T, int E, int k, int H, int I, const std::string& what, MoePath path = MoePath::kDefault) {
   const int n = 1, R = E + n, slots = k + n;
   const float scale = 2.f;
   const std::vector<float> x = round_bf16(random_floats(size_t(T) * H, 1.f, 3 + T));
@@ -234,7 +238,8 @@ void check_moe_fp8(int T, int E, int k, int H, int I, const std::string& what, b
   p.scale = scale;
   p.workspace = ws.get();
   p.workspace_bytes = ws.size();
-  p.tuning.single_token_gemv = single_token_gemv;
+  p.tuning.single_token_gemv = p.tuning.batch_gemv = path != MoePath::kGeneral;
+  if (path == MoePath::kGemv) p.tuning.auto_select = false;  // the few-token GEMVs at any 2-8 tokens
   cuda::launch_moe(p, nullptr);
   expect_close(from_bf16(out.download()), want, kTolBf16, what);
 }
@@ -244,10 +249,15 @@ TEST(CudaMxfp8Moe, MatchesOracleAtAwkwardShapes) {
   // Token blocks of 8, 16 and 32 pairs; K/32 of 8 (scale words) and of 5 or 3 (scale bytes).
   for (int T : {1, 3, 19, 64, 150}) check_moe_fp8(T, 16, 4, 256, 96, fmt::format("T={} E=16 k=4 H=256 I=96", T));
   check_moe_fp8(5, 7, 3, 160, 64, "T=5 E=7 k=3 H=160 I=64");
-  check_moe_fp8(2, 8, 4, 1024, 384, "T=2 E=8 k=4 H=1024 I=384 (tp-8 slice width)");
+  // 2-4 tokens: the few-token GEMVs by default; 8 only when asked for.
+  check_moe_fp8(2, 8, 4, 1024, 384, "T=2 E=8 k=4 H=1024 I=384 (tp-8 slice width), few-token GEMVs");
+  check_moe_fp8(2, 8, 4, 1024, 384, "T=2 E=8 k=4 H=1024 I=384, general path", MoePath::kGeneral);
+  check_moe_fp8(8, 16, 4, 1024, 384, "T=8 E=16 k=4 H=1024 I=384, few-token GEMVs", MoePath::kGemv);
+  check_moe_fp8(8, 16, 4, 1024, 384, "T=8 E=16 k=4 H=1024 I=384, general path", MoePath::kGeneral);
+  check_moe_fp8(3, 16, 4, 256, 96, "T=3 E=16 k=4 H=256 I=96, general path", MoePath::kGeneral);
   // One token: the single-token GEMVs (moe_gemv.cuh), and the general path they replace.
   check_moe_fp8(1, 8, 4, 1024, 384, "T=1 H=1024 I=384, single-token GEMVs");
-  check_moe_fp8(1, 8, 4, 1024, 384, "T=1 H=1024 I=384, general path", false);
+  check_moe_fp8(1, 8, 4, 1024, 384, "T=1 H=1024 I=384, general path", MoePath::kGeneral);
   check_moe_fp8(1, 7, 3, 160, 64, "T=1 E=7 k=3 H=160 I=64, single-token GEMVs");
   // The down GEMV's two forms: the slot split above (few row groups), the slot walk here (on an H200:
   // 576 row groups of 4, at least 2 an SM).

@@ -8,8 +8,10 @@
 //   routes itself (MoeKernelParams::route), except for a single token, whose GEMVs route inside.
 //
 // Experts: a single token (the batch-1 decode step) takes the two GEMV kernels of moe_gemv.cuh
-// unless MoeTuning says otherwise. Otherwise four launches, all with grids computed from the
-// arguments only (CUDA-graph safe; no host sync, no allocation):
+// unless MoeTuning says otherwise; 2-4 tokens with MXFP8 weights (MoeTuning: 2-8 tokens of either
+// format) take the alignment below and then moe_gemv.cuh's few-token GEMVs in place of 2.-4.
+// Otherwise four launches, all with grids computed from the arguments only (CUDA-graph safe; no
+// host sync, no allocation):
 //   1. align (one CTA): counts the (token, slot) pairs per physical expert row (num_rows bins, i.e.
 //      routed + fused shared rows: binning by E would drop the shared slots), prefix-sums them into
 //      offsets[num_rows + 1], cuts every row's pairs into token blocks of bm pairs (below) and
@@ -747,8 +749,13 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   // beyond; PDL gains ~3 us at small batches and loses up to 6% at 128+ tokens (I = 3072); the down
   // prefetch pays only at a single token.
   MoeTuning tune = p.tuning;
+  // The few-token GEMVs beat the grouped GEMMs only where the GEMM's tiles are slowest: widening
+  // MXFP8 at 2-4 tokens (bf16 and 5-8 tokens measured slower on them: docs/PERF.md).
+  const bool batch_gemv =
+      tune.batch_gemv && moe_gemv_batch_fits(p) && (!tune.auto_select || (fp8 && p.num_tokens <= 4));
   int block_m = tune.block_m;
   if (block_m != 8 && block_m != 16 && block_m != 32) block_m = p.num_tokens <= 64 ? 8 : p.num_tokens <= 128 ? 16 : 32;
+  if (batch_gemv) block_m = 8;  // one block per chosen row: what the few-token GEMVs read
   if (tune.auto_select) {
     tune.pdl = tune.pdl && p.num_tokens <= 64;
     if (p.num_tokens > 1) tune.down_prefetch_bytes = 0;
@@ -768,6 +775,10 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   ap.block_m = block_m;
   launch_pdl(moe_align_kernel, dim3(1), dim3(kAlignThreads), size_t(2) * p.num_rows * sizeof(int32_t), stream, tune.pdl,
              ap);
+  if (batch_gemv) {
+    launch_moe_gemv_batch(p, {offsets, num_blocks, block_expert, block_start, perm}, act, tune.pdl, stream);
+    return;
+  }
 
   GemmParams gp;
   gp.perm = perm;

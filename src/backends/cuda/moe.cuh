@@ -41,12 +41,16 @@ struct MoeTuning {
   bool pdl = true;  // programmatic dependent launch between the kernels
   int block_m = 0;  // pairs per token block: 8, 16 or 32; 0 = from num_tokens (<= 64: 8, <= 128: 16, else 32)
   int down_prefetch_bytes = 65536;  // per down CTA, weights prefetched into L2 before its wait; 0 = off
-  // Apply pdl only up to 64 tokens and the prefetch only at 1 token (where they measured faster).
+  // Apply pdl only up to 64 tokens, the prefetch only at 1 token and the few-token GEMVs only to
+  // MXFP8 weights at 2-4 tokens (where each measured faster; docs/PERF.md).
   bool auto_select = true;
   // A single token runs the two GEMV kernels of moe_gemv.cuh (gate_up + SwiGLU, down + combine)
   // when its operands fit; false: the general align / GEMM / combine path (block_m and the prefetch
   // apply only there).
   bool single_token_gemv = true;
+  // 2-8 tokens run the few-token GEMVs of moe_gemv.cuh after the alignment (8-pair blocks) when
+  // their operands fit (and auto_select allows); false: the grouped GEMMs and the combine.
+  bool batch_gemv = true;
 };
 
 struct MoeKernelParams {

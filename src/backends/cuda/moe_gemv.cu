@@ -331,6 +331,218 @@ __global__ void __launch_bounds__(kMaxSlotWarps* kWarp) moe_down_slots_gemv_kern
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// A few tokens: the GEMVs over the token blocks of the general path's alignment (8 pairs a block,
+// one block per expert row the tokens chose, more for a row chosen more than 8 times).
+
+constexpr int kBlockPairs = 8;                // the alignment's token block (block_m)
+constexpr int kMaxBatchTokens = kBlockPairs;  // tokens the few-token kernels take
+constexpr int kMaxBatchSlots = 16;            // slots a token
+constexpr int kMaxBatchPairs = kMaxBatchTokens * kMaxBatchSlots;
+constexpr int kMaxBatchBlocks = kMaxBatchPairs / kBlockPairs + kMaxBatchPairs;  // max_token_blocks' bound
+
+struct MoeBatchParams {
+  MoeGemvParams g;  // x [T, hidden], act [P, inter] in the alignment's sorted order, out [T, hidden]
+  MoeBins bins;
+  int num_tokens = 0;
+};
+
+// The alignment's block table in shared memory, with each block's pairs resolved to (token, weight).
+struct BatchBins {
+  int count;                                   // token blocks
+  int row[kMaxBatchBlocks];                    // expert row of block b
+  int first[kMaxBatchBlocks];                  // its first sorted position: the act row of pair 0
+  int n[kMaxBatchBlocks];                      // its pairs (<= kBlockPairs)
+  int8_t token[kMaxBatchBlocks][kBlockPairs];  // token of pair c
+  float weight[kMaxBatchBlocks][kBlockPairs];  // slot weight of pair c
+  bool bad[kMaxBatchTokens];                   // the token has a slot id outside [0, num_rows)
+};
+
+// Every thread calls it; returns after a barrier. The alignment (and the routing before it) must be
+// complete: after the PDL wait, or two launches later (kernel_utils.cuh).
+__device__ void load_bins(const MoeBatchParams& bp, BatchBins& s) {
+  const MoeGemvParams& p = bp.g;
+  const int count = *bp.bins.num_blocks;
+  if (threadIdx.x == 0) s.count = count;
+  if (threadIdx.x < kMaxBatchTokens) s.bad[threadIdx.x] = false;
+  for (int i = threadIdx.x; i < count * kBlockPairs; i += blockDim.x) {
+    const int b = i / kBlockPairs, c = i % kBlockPairs;
+    const int e = bp.bins.block_expert[b], first = bp.bins.block_start[b];
+    const int n = min(kBlockPairs, bp.bins.offsets[e + 1] - first);
+    if (c == 0) {
+      s.row[b] = e;
+      s.first[b] = first;
+      s.n[b] = n;
+    }
+    if (c < n) {
+      const int pair = bp.bins.perm[first + c];
+      s.token[b][c] = int8_t(pair / p.slots);
+      s.weight[b][c] = p.slot_weights[pair];
+    }
+  }
+  __syncthreads();  // bad[] cleared before any thread sets an entry
+  for (int i = threadIdx.x; i < bp.num_tokens * p.slots; i += blockDim.x) {
+    const int e = p.slot_ids[i];
+    if (e < 0 || e >= p.num_rows) s.bad[i / p.slots] = true;
+  }
+  __syncthreads();
+}
+
+// gate_up for a few tokens: items (block b, j), j fastest; the item's two rows are streamed once and
+// multiplied with the x row of each of the block's pairs; k split as in the single-token kernel.
+// act[first_b + c, j] = swiglu of pair c's sums.
+template <bool kFp8, int kLoads, int kSplit>
+__global__ void __launch_bounds__(kWarps* kWarp) moe_gate_up_batch_kernel(const MoeBatchParams bp) {
+  constexpr int kPerLoad = kFp8 ? 16 : 8, kPass = kWarp * kPerLoad;
+  constexpr int kItemsPerBlock = kWarps / kSplit;
+  __shared__ BatchBins bins;
+  __shared__ float partial[kWarps][2][kBlockPairs];
+  const MoeGemvParams& p = bp.g;
+  pdl_wait();
+  pdl_trigger();
+  load_bins(bp, bins);
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, slice = warp % kSplit;
+  const int items = bins.count * p.inter;
+  const int stride = kSplit * kPass;
+  const int steps = (p.hidden + kLoads * stride - 1) / (kLoads * stride);
+  for (int base = blockIdx.x * kItemsPerBlock; base < items; base += gridDim.x * kItemsPerBlock) {
+    const int item = base + warp / kSplit;
+    const bool live = item < items;
+    const int b = live ? item / p.inter : 0, j = item % p.inter;
+    const int n = live ? bins.n[b] : 0;
+    float g[kBlockPairs] = {}, u[kBlockPairs] = {};
+    if (live) {
+      const int e = bins.row[b];
+      const uint16_t* xr[kBlockPairs];
+#pragma unroll
+      for (int c = 0; c < kBlockPairs; ++c) xr[c] = p.x + size_t(c < n ? bins.token[b][c] : 0) * p.hidden;
+      const RowReader<kFp8> gate(p.gate_up, p.gate_up_scale, size_t(e) * 2 * p.inter + j, p.hidden);
+      const RowReader<kFp8> up(p.gate_up, p.gate_up_scale, size_t(e) * 2 * p.inter + p.inter + j, p.hidden);
+      const int k_first = slice * kPass + lane * kPerLoad;
+      pipeline<2 * kLoads>(
+          steps,
+          [&](int t, uint4(&w)[2 * kLoads], uint32_t(&sc)[2 * kLoads]) {
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i) {
+              const int k = k_first + (t * kLoads + i) * stride;
+              w[2 * i] = gate.load(k);
+              w[2 * i + 1] = up.load(k);
+              sc[2 * i] = gate.load_scale(k);
+              sc[2 * i + 1] = up.load_scale(k);
+            }
+          },
+          [&](int t, const uint4(&w)[2 * kLoads], const uint32_t(&sc)[2 * kLoads]) {
+#pragma unroll
+            for (int i = 0; i < kLoads; ++i) {
+              const int k = k_first + (t * kLoads + i) * stride;
+              if (k >= p.hidden) break;
+#pragma unroll
+              for (int c = 0; c < kBlockPairs; ++c) {
+                if (c >= n) break;
+                g[c] = dot_load<kFp8>(w[2 * i], sc[2 * i], xr[c], k, g[c]);
+                u[c] = dot_load<kFp8>(w[2 * i + 1], sc[2 * i + 1], xr[c], k, u[c]);
+              }
+            }
+          },
+          [] {});
+#pragma unroll
+      for (int c = 0; c < kBlockPairs; ++c) {
+        if (c >= n) break;
+        g[c] = warp_sum(g[c]);
+        u[c] = warp_sum(u[c]);
+      }
+    }
+    if constexpr (kSplit > 1) {
+      if (lane == 0)
+#pragma unroll
+        for (int c = 0; c < kBlockPairs; ++c) {
+          partial[warp][0][c] = g[c];
+          partial[warp][1][c] = u[c];
+        }
+      __syncthreads();
+      if (slice == 0)
+#pragma unroll
+        for (int c = 0; c < kBlockPairs; ++c) {
+          g[c] = u[c] = 0.f;
+          for (int i = 0; i < kSplit; ++i) {
+            g[c] += partial[warp + i][0][c];
+            u[c] += partial[warp + i][1][c];
+          }
+        }
+      __syncthreads();  // partial is rewritten by the next item
+    }
+    if (!live || slice != 0) continue;
+    float gc = 0.f, uc = 0.f;  // lane c: pair c's sums
+#pragma unroll
+    for (int c = 0; c < kBlockPairs; ++c)
+      if (lane == c) {
+        gc = g[c];
+        uc = u[c];
+      }
+    if (lane < n)
+      p.act[size_t(bins.first[b] + lane) * p.inter + j] =
+          __bfloat16_as_ushort(__float2bfloat16_rn(swiglu_oai(gc, uc, p.alpha, p.limit)));
+  }
+}
+
+// down + combine for a few tokens: a warp per kRows hidden rows (as the single-token walk) going
+// through every block's rows of them; each pair's sums go, times its slot weight, into its token's
+// accumulators (lane partials, one warp reduction per token and row at the end). Blocks in row order,
+// so a token's sum runs in expert-row order: fixed by the routing, not by the schedule.
+template <bool kFp8, int kRows, int kLoads>
+__global__ void __launch_bounds__(kWarps* kWarp) moe_down_batch_kernel(const MoeBatchParams bp) {
+  constexpr int kPerLoad = kFp8 ? 16 : 8, kPass = kWarp * kPerLoad;
+  __shared__ BatchBins bins;
+  const MoeGemvParams& p = bp.g;
+  load_bins(bp, bins);  // the alignment is two launches back: complete, so before the PDL wait
+  PdlWaitOnce wait_once;
+  const int lane = threadIdx.x % kWarp;
+  const int chunks = (p.inter + kLoads * kPass - 1) / (kLoads * kPass);  // steps per block
+  const int groups = (p.hidden + kRows - 1) / kRows, warps = gridDim.x * kWarps;
+  for (int group = blockIdx.x * kWarps + threadIdx.x / kWarp; group < groups; group += warps) {
+    const int n0 = group * kRows;
+    float acc[kMaxBatchTokens][kRows] = {};
+    pipeline<kRows * kLoads>(
+        bins.count * chunks,
+        [&](int t, uint4(&w)[kRows * kLoads], uint32_t(&sc)[kRows * kLoads]) {
+          const int b = t / chunks, k0 = (t % chunks) * kLoads * kPass + lane * kPerLoad;
+          load_down<kFp8, kRows, kLoads>(p, bins.row[b], n0, k0, w, sc);
+        },
+        [&](int t, const uint4(&w)[kRows * kLoads], const uint32_t(&sc)[kRows * kLoads]) {
+          const int b = t / chunks, k0 = (t % chunks) * kLoads * kPass + lane * kPerLoad;
+          const int n = bins.n[b];
+#pragma unroll  // unrolled, the pairs' act loads go out together, not one L2 round trip after another
+          for (int c = 0; c < kBlockPairs; ++c) {
+            if (c >= n) break;
+            float d[kRows] = {};
+            dot_down<kFp8, kRows, kLoads>(p, p.act + size_t(bins.first[b] + c) * p.inter, k0, w, sc, d);
+            const int tok = bins.token[b][c];
+            const float wc = bins.weight[b][c];
+#pragma unroll
+            for (int m = 0; m < kMaxBatchTokens; ++m)
+              if (tok == m)
+#pragma unroll
+                for (int r = 0; r < kRows; ++r) acc[m][r] = fmaf(wc, d[r], acc[m][r]);
+          }
+        },
+        wait_once);
+#pragma unroll
+    for (int m = 0; m < kMaxBatchTokens; ++m) {
+      if (m >= bp.num_tokens) break;
+      float v = 0.f;
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        const float sum = warp_sum(acc[m][r]);
+        if (lane == r) v = sum;
+      }
+      if (lane < kRows && n0 + lane < p.hidden)
+        p.out[size_t(m) * p.hidden + n0 + lane] =
+            __float2bfloat16_rn(bins.bad[m] ? __int_as_float(0x7fc00000) : p.scale * v);
+    }
+  }
+  wait_once();
+}
+
 // Measured on an H200 at batch 1 (docs/PERF.md): two loads per gate_up step, four down rows a warp
 // with two loads per row and step; more loads in flight per warp measured slower at both widths.
 constexpr int kGateLoads = 2, kDownRows = 4, kDownLoads = 2;
@@ -347,37 +559,39 @@ int sm_count() {
 }
 
 // Blocks of `kernel` (kWarps warps, no dynamic shared memory) resident at once on the current
-// device: the grid of the looping kernels above. The occupancy query runs once per device.
-template <class Kernel>
-int resident_grid(Kernel kernel) {
+// device, of `sms` SMs: the grid of the looping kernels above. The occupancy query runs once per
+// kernel and device (a template per kernel: one per kernel type would share the answer between
+// kernels of the same signature).
+template <auto kernel>
+int resident_grid(int sms) {
   static std::atomic<int> cached[kMaxDevices];
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   if (device < kMaxDevices && cached[device].load() > 0) return cached[device].load();
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarps * kWarp, 0));
-  const int grid = std::max(1, per_sm) * sm_count();
+  const int grid = std::max(1, per_sm) * sms;
   if (device < kMaxDevices) cached[device].store(grid);
   return grid;
 }
 
 template <bool kFp8, int kSplit>
-void launch_kernels(const MoeGemvParams& g, bool pdl, cudaStream_t stream) {
-  const auto gate_up = moe_gate_up_gemv_kernel<kFp8, kGateLoads, kSplit>;
-  const auto down = moe_down_gemv_kernel<kFp8, kDownRows, kDownLoads>;
+void launch_kernels(const MoeGemvParams& g, int sms, bool pdl, cudaStream_t stream) {
+  constexpr auto gate_up = &moe_gate_up_gemv_kernel<kFp8, kGateLoads, kSplit>;
+  constexpr auto down = &moe_down_gemv_kernel<kFp8, kDownRows, kDownLoads>;
   const int gate_up_work = int((int64_t(g.slots) * g.inter * kSplit + kWarps - 1) / kWarps);
   const int down_work = (g.hidden + kDownRows * kWarps - 1) / (kDownRows * kWarps);
-  const int gate_up_grid = std::min(gate_up_work, resident_grid(gate_up));
+  const int gate_up_grid = std::min(gate_up_work, resident_grid<gate_up>(sms));
   launch_pdl(gate_up, dim3(unsigned(gate_up_grid)), dim3(kWarps * kWarp), 0, stream, pdl, g);
   const int groups = (g.hidden + kDownRows - 1) / kDownRows;
-  if (groups < kSlotSplitGroupsPerSm * sm_count()) {
+  if (groups < kSlotSplitGroupsPerSm * sms) {
     // Few row groups: a block each (all resident at once), its warps splitting the slots.
     const int warps = std::min(g.slots, kMaxSlotWarps);
     launch_pdl(moe_down_slots_gemv_kernel<kFp8, kDownRows, kDownLoads>, dim3(unsigned(groups)),
                dim3(unsigned(warps * kWarp)), 0, stream, pdl, g);
     return;
   }
-  const int down_grid = std::min(down_work, resident_grid(down));
+  const int down_grid = std::min(down_work, resident_grid<down>(sms));
   launch_pdl(down, dim3(unsigned(down_grid)), dim3(kWarps * kWarp), 0, stream, pdl, g);
 }
 
@@ -386,8 +600,8 @@ void launch_kernels(const MoeGemvParams& g, bool pdl, cudaStream_t stream) {
 // width does not split). Depends on the shape and the GPU's SM count only, so on one GPU a layer's
 // bits do not change from run to run.
 template <bool kFp8>
-int choose_split(const MoeGemvParams& g) {
-  const int64_t items = int64_t(g.slots) * g.inter, target = int64_t(sm_count()) * 32;
+int choose_split(const MoeGemvParams& g, int sms) {
+  const int64_t items = int64_t(g.slots) * g.inter, target = int64_t(sms) * 32;
   const int step = kGateLoads * kWarp * (kFp8 ? 16 : 8);
   int split = 1;
   while (split < kWarps && items * split < target && g.hidden >= 2 * split * step) split *= 2;
@@ -395,27 +609,47 @@ int choose_split(const MoeGemvParams& g) {
 }
 
 template <bool kFp8>
-void launch_format(const MoeGemvParams& g, bool pdl, cudaStream_t stream) {
-  switch (choose_split<kFp8>(g)) {
-    case 4: launch_kernels<kFp8, 4>(g, pdl, stream); break;
-    case 2: launch_kernels<kFp8, 2>(g, pdl, stream); break;
-    default: launch_kernels<kFp8, 1>(g, pdl, stream); break;
+void launch_format(const MoeGemvParams& g, int sms, bool pdl, cudaStream_t stream) {
+  switch (choose_split<kFp8>(g, sms)) {
+    case 4: launch_kernels<kFp8, 4>(g, sms, pdl, stream); break;
+    case 2: launch_kernels<kFp8, 2>(g, sms, pdl, stream); break;
+    default: launch_kernels<kFp8, 1>(g, sms, pdl, stream); break;
   }
 }
 
-}  // namespace
-
-bool moe_gemv_fits(const MoeKernelParams& p) {
-  const bool fp8 = p.gate_up_scale != nullptr;
-  const int multiple = fp8 ? 32 : 8;
-  return p.num_tokens == 1 && p.slots >= 1 && p.slots <= kMaxGemvSlots &&
-         int64_t(p.slots) * p.inter * kWarps <= 0x7fffffff && p.hidden % multiple == 0 && p.inter % multiple == 0 &&
-         aligned16(p.x) && aligned16(p.gate_up) && aligned16(p.down);
+template <auto kDown, int kRows>
+void launch_batch_down(const MoeBatchParams& bp, int sms, bool pdl, cudaStream_t stream) {
+  const int down_work = (bp.g.hidden + kRows * kWarps - 1) / (kRows * kWarps);
+  launch_pdl(kDown, dim3(unsigned(std::min(down_work, resident_grid<kDown>(sms)))), dim3(kWarps * kWarp), 0, stream,
+             pdl, bp);
 }
 
-void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStream_t stream) {
-  check_arg(moe_gemv_fits(p), "launch_moe_gemv: operands the single-token path does not take");
-  check_arg(aligned16(act), "launch_moe_gemv: act must be 16-byte aligned");
+template <bool kFp8, int kSplit>
+void launch_batch_kernels(const MoeBatchParams& bp, int sms, bool pdl, cudaStream_t stream) {
+  constexpr auto gate_up = &moe_gate_up_batch_kernel<kFp8, kGateLoads, kSplit>;
+  // The blocks are known on the device only: size gate_up for the most there can be.
+  const int64_t most_blocks = std::min<int64_t>(int64_t(bp.num_tokens) * bp.g.slots, kMaxBatchBlocks);
+  const int gate_up_work = int((most_blocks * bp.g.inter * kSplit + kWarps - 1) / kWarps);
+  launch_pdl(gate_up, dim3(unsigned(std::min(gate_up_work, resident_grid<gate_up>(sms)))), dim3(kWarps * kWarp), 0,
+             stream, pdl, bp);
+  // Rows and loads as the single-token walk: measured on an H200 against 2 rows x 2 or 4 loads and
+  // 1 row x 4 loads a warp (docs/PERF.md, "A few tokens' MoE on the GEMVs"), the fastest for MXFP8.
+  launch_batch_down<&moe_down_batch_kernel<kFp8, kDownRows, kDownLoads>, kDownRows>(bp, sms, pdl, stream);
+}
+
+template <bool kFp8>
+void launch_batch_format(const MoeBatchParams& bp, int sms, bool pdl, cudaStream_t stream) {
+  // The k split as for one token, over the distinct rows there are at most.
+  MoeGemvParams g = bp.g;
+  g.slots = int(std::min<int64_t>(int64_t(bp.num_tokens) * bp.g.slots, bp.g.num_rows));
+  switch (choose_split<kFp8>(g, sms)) {
+    case 4: launch_batch_kernels<kFp8, 4>(bp, sms, pdl, stream); break;
+    case 2: launch_batch_kernels<kFp8, 2>(bp, sms, pdl, stream); break;
+    default: launch_batch_kernels<kFp8, 1>(bp, sms, pdl, stream); break;
+  }
+}
+
+MoeGemvParams gemv_params(const MoeKernelParams& p, uint16_t* act) {
   MoeGemvParams g;
   g.x = reinterpret_cast<const uint16_t*>(p.x);
   g.slot_ids = p.slot_ids;
@@ -434,10 +668,55 @@ void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStre
   g.limit = p.limit;
   g.scale = p.scale;
   g.route = p.route;
+  return g;
+}
+
+// hidden and inter multiples of 8 (MXFP8: of 32, already required), 16-byte aligned x and weights.
+bool gemv_operands_fit(const MoeKernelParams& p) {
+  const int multiple = p.gate_up_scale != nullptr ? 32 : 8;
+  return p.hidden % multiple == 0 && p.inter % multiple == 0 && aligned16(p.x) && aligned16(p.gate_up) &&
+         aligned16(p.down);
+}
+
+}  // namespace
+
+bool moe_gemv_fits(const MoeKernelParams& p) {
+  return p.num_tokens == 1 && p.slots >= 1 && p.slots <= kMaxGemvSlots &&
+         int64_t(p.slots) * p.inter * kWarps <= 0x7fffffff && gemv_operands_fit(p);
+}
+
+bool moe_gemv_batch_fits(const MoeKernelParams& p) {
+  return p.num_tokens >= 2 && p.num_tokens <= kMaxBatchTokens && p.slots >= 1 && p.slots <= kMaxBatchSlots &&
+         int64_t(kMaxBatchBlocks) * p.inter * kWarps <= 0x7fffffff && gemv_operands_fit(p);
+}
+
+void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStream_t stream) {
+  check_arg(moe_gemv_fits(p), "launch_moe_gemv: operands the single-token path does not take");
+  check_arg(aligned16(act), "launch_moe_gemv: act must be 16-byte aligned");
+  const MoeGemvParams g = gemv_params(p, act);
+  const int sms = sm_count();  // the current device's, asked once a launch
   if (p.gate_up_scale != nullptr)
-    launch_format<true>(g, pdl, stream);
+    launch_format<true>(g, sms, pdl, stream);
   else
-    launch_format<false>(g, pdl, stream);
+    launch_format<false>(g, sms, pdl, stream);
+}
+
+void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, uint16_t* act, bool pdl,
+                           cudaStream_t stream) {
+  check_arg(moe_gemv_batch_fits(p), "launch_moe_gemv_batch: operands the few-token path does not take");
+  check_arg(aligned16(act), "launch_moe_gemv_batch: act must be 16-byte aligned");
+  check_arg(bins.offsets && bins.num_blocks && bins.block_expert && bins.block_start && bins.perm,
+            "launch_moe_gemv_batch: the alignment's tables are missing");
+  MoeBatchParams bp;
+  bp.g = gemv_params(p, act);
+  bp.g.route = RouteKernelParams{};  // routed already: the slots are in slot_ids
+  bp.bins = bins;
+  bp.num_tokens = p.num_tokens;
+  const int sms = sm_count();
+  if (p.gate_up_scale != nullptr)
+    launch_batch_format<true>(bp, sms, pdl, stream);
+  else
+    launch_batch_format<false>(bp, sms, pdl, stream);
 }
 
 }  // namespace tpmoe::cuda

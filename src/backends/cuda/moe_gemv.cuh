@@ -19,6 +19,17 @@
 // the PDL wait (the router's logits or slot ids are two launches back and therefore complete; see
 // kernel_utils.cuh). Slot ids outside [0, num_rows) make the token's output NaN, as in the general
 // path.
+//
+// A few tokens (2-8): the same two GEMVs after the general path's routing and alignment (8-pair
+// token blocks, so each expert row the tokens chose is one block): gate_up streams each chosen row
+// once and multiplies it with the x of every pair in its block; down walks the blocks' rows of its
+// hidden rows and adds each pair's sum, times its slot weight, into that token's accumulators. Four
+// launches (route, align, these two) where the grouped GEMMs take five, and every expert row read
+// with the GEMVs' 16-byte loads instead of the tensor-core tiles' (built for more tokens than this).
+// A token's sum runs over its rows in row order, not slot order: within tolerance of the oracle,
+// not its bits. launch_moe takes this path by default only for MXFP8 weights at 2-4 tokens, where
+// it measured faster than the grouped GEMMs (docs/PERF.md); the down GEMV, re-reading every pair's
+// act from L2 in each warp, is what holds it back elsewhere.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -34,5 +45,21 @@ namespace tpmoe::cuda {
 bool moe_gemv_fits(const MoeKernelParams& p);
 // act: [slots, inter] bf16 scratch (the workspace's act region).
 void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStream_t stream);
+
+// The alignment's tables (moe.cu, launch_moe), read on the device.
+struct MoeBins {
+  const int32_t* offsets = nullptr;       // [num_rows + 1]
+  const int32_t* num_blocks = nullptr;    // [1]
+  const int32_t* block_expert = nullptr;  // [blocks]
+  const int32_t* block_start = nullptr;   // [blocks]
+  const int32_t* perm = nullptr;          // [pairs]: sorted position -> t * slots + s
+};
+
+// Whether the few-token path takes p: 2-8 tokens, at most 16 slots, and the operands of
+// moe_gemv_fits.
+bool moe_gemv_batch_fits(const MoeKernelParams& p);
+// After routing and an alignment into 8-pair blocks on the same stream. act: [pairs, inter] bf16
+// scratch in the alignment's sorted order (the workspace's act region).
+void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, uint16_t* act, bool pdl, cudaStream_t stream);
 
 }  // namespace tpmoe::cuda
