@@ -28,8 +28,8 @@
 // with the GEMVs' 16-byte loads instead of the tensor-core tiles' (built for more tokens than this).
 // A token's sum runs over its rows in row order, not slot order: within tolerance of the oracle,
 // not its bits. launch_moe takes this path by default only for MXFP8 weights at 2-4 tokens, where
-// it measured faster than the grouped GEMMs (docs/PERF.md); the down GEMV, re-reading every pair's
-// act from L2 in each warp, is what holds it back elsewhere.
+// it measured faster than the grouped GEMMs (docs/PERF.md); elsewhere its down GEMV, at ~55% of the
+// DRAM bandwidth, holds it back.
 #pragma once
 
 #include <cuda_runtime.h>
