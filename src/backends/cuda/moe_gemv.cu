@@ -125,6 +125,29 @@ __device__ inline TokenSlots token_slots(const MoeGemvParams& p, int lane) {
   return t;
 }
 
+// The gate and up rows of intermediate j of expert row e, as a pipeline's load step (pipeline()): step t
+// of a lane whose first chunk is k_first, chunks `stride` apart, kLoads of each row a step.
+template <bool kFp8, int kLoads>
+struct GateUpRows {
+  RowReader<kFp8> gate, up;
+  int k_first, stride;
+  __device__ GateUpRows(const MoeGemvParams& p, int e, int j, int k_first_, int stride_)
+      : gate(p.gate_up, p.gate_up_scale, size_t(e) * 2 * p.inter + j, p.hidden),
+        up(p.gate_up, p.gate_up_scale, size_t(e) * 2 * p.inter + p.inter + j, p.hidden),
+        k_first(k_first_),
+        stride(stride_) {}
+  __device__ int k(int t, int i) const { return k_first + (t * kLoads + i) * stride; }
+  __device__ void load(int t, uint4 (&w)[2 * kLoads], uint32_t (&sc)[2 * kLoads]) const {
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      w[2 * i] = gate.load(k(t, i));
+      w[2 * i + 1] = up.load(k(t, i));
+      sc[2 * i] = gate.load_scale(k(t, i));
+      sc[2 * i + 1] = up.load_scale(k(t, i));
+    }
+  }
+};
+
 // Both kernels run a grid no larger than what is resident at once (resident_grid) and loop over
 // their work, so the routing inside is done once per warp, never once per row, and never in a
 // second wave of blocks.
@@ -154,25 +177,13 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_gate_up_gemv_kernel(const M
     const bool live = e >= 0 && e < p.num_rows;  // else a routing bug: the down kernel writes NaN
     float g = 0.f, u = 0.f;
     if (live) {
-      const RowReader<kFp8> gate(p.gate_up, p.gate_up_scale, size_t(e) * 2 * p.inter + j, p.hidden);
-      const RowReader<kFp8> up(p.gate_up, p.gate_up_scale, size_t(e) * 2 * p.inter + p.inter + j, p.hidden);
-      const int k_first = slice * kPass + lane * kPerLoad;
+      const GateUpRows<kFp8, kLoads> rows(p, e, j, slice * kPass + lane * kPerLoad, stride);
       pipeline<2 * kLoads>(
-          steps,
-          [&](int t, uint4(&w)[2 * kLoads], uint32_t(&sc)[2 * kLoads]) {
-#pragma unroll
-            for (int i = 0; i < kLoads; ++i) {
-              const int k = k_first + (t * kLoads + i) * stride;
-              w[2 * i] = gate.load(k);
-              w[2 * i + 1] = up.load(k);
-              sc[2 * i] = gate.load_scale(k);
-              sc[2 * i + 1] = up.load_scale(k);
-            }
-          },
+          steps, [&](int t, uint4(&w)[2 * kLoads], uint32_t(&sc)[2 * kLoads]) { rows.load(t, w, sc); },
           [&](int t, const uint4(&w)[2 * kLoads], const uint32_t(&sc)[2 * kLoads]) {
 #pragma unroll
             for (int i = 0; i < kLoads; ++i) {
-              const int k = k_first + (t * kLoads + i) * stride;
+              const int k = rows.k(t, i);
               if (k >= p.hidden) break;
               g = dot_load<kFp8>(w[2 * i], sc[2 * i], p.x, k, g);
               u = dot_load<kFp8>(w[2 * i + 1], sc[2 * i + 1], p.x, k, u);
@@ -416,25 +427,13 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_gate_up_batch_kernel(const 
       const uint16_t* xr[kBlockPairs];
 #pragma unroll
       for (int c = 0; c < kBlockPairs; ++c) xr[c] = p.x + size_t(c < n ? bins.token[b][c] : 0) * p.hidden;
-      const RowReader<kFp8> gate(p.gate_up, p.gate_up_scale, size_t(e) * 2 * p.inter + j, p.hidden);
-      const RowReader<kFp8> up(p.gate_up, p.gate_up_scale, size_t(e) * 2 * p.inter + p.inter + j, p.hidden);
-      const int k_first = slice * kPass + lane * kPerLoad;
+      const GateUpRows<kFp8, kLoads> rows(p, e, j, slice * kPass + lane * kPerLoad, stride);
       pipeline<2 * kLoads>(
-          steps,
-          [&](int t, uint4(&w)[2 * kLoads], uint32_t(&sc)[2 * kLoads]) {
-#pragma unroll
-            for (int i = 0; i < kLoads; ++i) {
-              const int k = k_first + (t * kLoads + i) * stride;
-              w[2 * i] = gate.load(k);
-              w[2 * i + 1] = up.load(k);
-              sc[2 * i] = gate.load_scale(k);
-              sc[2 * i + 1] = up.load_scale(k);
-            }
-          },
+          steps, [&](int t, uint4(&w)[2 * kLoads], uint32_t(&sc)[2 * kLoads]) { rows.load(t, w, sc); },
           [&](int t, const uint4(&w)[2 * kLoads], const uint32_t(&sc)[2 * kLoads]) {
 #pragma unroll
             for (int i = 0; i < kLoads; ++i) {
-              const int k = k_first + (t * kLoads + i) * stride;
+              const int k = rows.k(t, i);
               if (k >= p.hidden) break;
 #pragma unroll
               for (int c = 0; c < kBlockPairs; ++c) {
