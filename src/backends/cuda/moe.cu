@@ -755,7 +755,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
       tune.batch_gemv && moe_gemv_batch_fits(p) && (!tune.auto_select || (fp8 && p.num_tokens <= 4));
   int block_m = tune.block_m;
   if (block_m != 8 && block_m != 16 && block_m != 32) block_m = p.num_tokens <= 64 ? 8 : p.num_tokens <= 128 ? 16 : 32;
-  if (batch_gemv) block_m = 8;  // one block per chosen row: what the few-token GEMVs read
+  if (batch_gemv) block_m = kMoeGemvBlockPairs;  // one block per chosen row: what the few-token GEMVs read
   if (tune.auto_select) {
     tune.pdl = tune.pdl && p.num_tokens <= 64;
     if (p.num_tokens > 1) tune.down_prefetch_bytes = 0;
@@ -776,7 +776,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   launch_pdl(moe_align_kernel, dim3(1), dim3(kAlignThreads), size_t(2) * p.num_rows * sizeof(int32_t), stream, tune.pdl,
              ap);
   if (batch_gemv) {
-    launch_moe_gemv_batch(p, {offsets, num_blocks, block_expert, block_start, perm}, act, tune.pdl, stream);
+    launch_moe_gemv_batch(p, {offsets, num_blocks, block_expert, block_start, perm}, block_m, act, tune.pdl, stream);
     return;
   }
 

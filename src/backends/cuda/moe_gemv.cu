@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 
 #include "backends/cuda/kernel_utils.cuh"
 #include "backends/cuda/route_top_k.cuh"
@@ -346,9 +347,9 @@ __global__ void __launch_bounds__(kMaxSlotWarps* kWarp) moe_down_slots_gemv_kern
 // A few tokens: the GEMVs over the token blocks of the general path's alignment (8 pairs a block,
 // one block per expert row the tokens chose, more for a row chosen more than 8 times).
 
-constexpr int kBlockPairs = 8;                // the alignment's token block (block_m)
-constexpr int kMaxBatchTokens = kBlockPairs;  // tokens the few-token kernels take
-constexpr int kMaxBatchSlots = 16;            // slots a token
+constexpr int kBlockPairs = kMoeGemvBlockPairs;  // the alignment's token block (block_m)
+constexpr int kMaxBatchTokens = kBlockPairs;     // tokens the few-token kernels take
+constexpr int kMaxBatchSlots = 16;               // slots a token
 constexpr int kMaxBatchPairs = kMaxBatchTokens * kMaxBatchSlots;
 constexpr int kMaxBatchBlocks = kMaxBatchPairs / kBlockPairs + kMaxBatchPairs;  // max_token_blocks' bound
 
@@ -700,12 +701,14 @@ void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStre
     launch_format<false>(g, sms, pdl, stream);
 }
 
-void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, uint16_t* act, bool pdl,
+void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, int block_m, uint16_t* act, bool pdl,
                            cudaStream_t stream) {
   check_arg(moe_gemv_batch_fits(p), "launch_moe_gemv_batch: operands the few-token path does not take");
   check_arg(aligned16(act), "launch_moe_gemv_batch: act must be 16-byte aligned");
   check_arg(bins.offsets && bins.num_blocks && bins.block_expert && bins.block_start && bins.perm,
             "launch_moe_gemv_batch: the alignment's tables are missing");
+  check_arg(block_m == kBlockPairs, "launch_moe_gemv_batch: the alignment's blocks must be of " +
+                                        std::to_string(kBlockPairs) + " pairs, not " + std::to_string(block_m));
   MoeBatchParams bp;
   bp.g = gemv_params(p, act);
   bp.g.route = RouteKernelParams{};  // routed already: the slots are in slot_ids

@@ -46,6 +46,10 @@ bool moe_gemv_fits(const MoeKernelParams& p);
 // act: [slots, inter] bf16 scratch (the workspace's act region).
 void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStream_t stream);
 
+// The token block of the alignment the few-token GEMVs read: 8 pairs, so each expert row that at most
+// 8 tokens chose is one block.
+constexpr int kMoeGemvBlockPairs = 8;
+
 // The alignment's tables (moe.cu, launch_moe), read on the device.
 struct MoeBins {
   const int32_t* offsets = nullptr;       // [num_rows + 1]
@@ -58,8 +62,10 @@ struct MoeBins {
 // Whether the few-token path takes p: 2-8 tokens, at most 16 slots, and the operands of
 // moe_gemv_fits.
 bool moe_gemv_batch_fits(const MoeKernelParams& p);
-// After routing and an alignment into 8-pair blocks on the same stream. act: [pairs, inter] bf16
+// After routing and an alignment into blocks of block_m pairs on the same stream (block_m must be
+// kMoeGemvBlockPairs: the kernels read at most that many pairs a block). act: [pairs, inter] bf16
 // scratch in the alignment's sorted order (the workspace's act region).
-void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, uint16_t* act, bool pdl, cudaStream_t stream);
+void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, int block_m, uint16_t* act, bool pdl,
+                           cudaStream_t stream);
 
 }  // namespace tpmoe::cuda
