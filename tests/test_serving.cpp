@@ -115,24 +115,30 @@ TEST(Serving, CancelledRequestsEndWithAbortAndFreeTheirPages) {
     std::atomic<uint64_t> running_id{0};
     std::mutex m;
     std::condition_variable cv;
-    int updates = 0;
+    // Updates seen per request: the snapshot below waits until both long requests have produced a
+    // token, so it cannot land while the second one is still waiting for its first step (on a busy
+    // machine the first request can run several steps before the second is even submitted).
+    int updates[2] = {0, 0};
+    auto counting = [&](int i) {
+      return [&, i, sink = collector.sink(i)](const ServeUpdate& u) {
+        sink(u);
+        std::lock_guard lock(m);
+        ++updates[i];
+        cv.notify_all();
+      };
+    };
     ServeRequest r;
     r.prompt = random_prompt(10, vocab, 1);
     r.sampling.max_tokens = 200;
     r.sampling.ignore_eos = true;
-    auto sink = collector.sink(0);
-    r.on_update = [&, sink](const ServeUpdate& u) {
-      sink(u);
-      std::lock_guard lock(m);
-      ++updates;
-      cv.notify_all();
-    };
+    r.on_update = counting(0);
     running_id = s.submit(std::move(r));
     // A second long request, and a third that waits for a slot and is cancelled while waiting.
     ServeRequest r2;
     r2.prompt = random_prompt(5, vocab, 2);
     r2.sampling.max_tokens = 200;
-    r2.on_update = collector.sink(1);
+    r2.sampling.ignore_eos = true;
+    r2.on_update = counting(1);
     const uint64_t other_id = s.submit(std::move(r2));
     ServeRequest r3;
     r3.prompt = random_prompt(5, vocab, 3);
@@ -141,7 +147,8 @@ TEST(Serving, CancelledRequestsEndWithAbortAndFreeTheirPages) {
     const uint64_t waiting_id = s.submit(std::move(r3));
     {
       std::unique_lock lock(m);
-      cv.wait(lock, [&] { return updates >= 3; });
+      EXPECT_TRUE(cv.wait_for(lock, std::chrono::seconds(300), [&] { return updates[0] >= 3 && updates[1] >= 1; }))
+          << "the two long requests did not both start";
     }
     during = s.stats();
     s.cancel(running_id);
