@@ -48,10 +48,11 @@ ModelRun run_model(Engine& engine, const std::vector<std::vector<int32_t>>& prom
   return out;
 }
 
-EngineOptions cuda_options(bool shared_fusion = true) {
+EngineOptions cuda_options(bool shared_fusion = true, int shared_fusion_max_tokens = -1) {
   EngineOptions o;
   o.device = "cuda";
   o.shared_expert_fusion = shared_fusion;
+  o.shared_fusion_max_tokens = shared_fusion_max_tokens;
   return o;
 }
 
@@ -145,6 +146,11 @@ TEST(CudaModel, FusedEqualsUnfused) {
   const ModelRun a = run_model(*fused, prompts, forced, 6), b = run_model(*unfused, prompts, forced, 6);
   EXPECT_LT(test::relative_l2(a.prefill, b.prefill), kModelTolerance);
   EXPECT_LT(test::relative_l2(a.steps, b.steps), kModelTolerance);
+  // Fused weights, every step over the limit of 1 token: the fused rows run as the shared MLP.
+  auto rows_as_mlp = Engine::from_preset("tiny", std::nullopt, 7, cuda_options(true, 1));
+  const ModelRun c = run_model(*rows_as_mlp, prompts, forced, 6);
+  EXPECT_LT(test::relative_l2(c.prefill, b.prefill), kModelTolerance);
+  EXPECT_LT(test::relative_l2(c.steps, b.steps), kModelTolerance);
 }
 
 TEST(CudaModel, DevicePresetMatchesCpuPreset) {

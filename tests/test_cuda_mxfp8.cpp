@@ -337,10 +337,14 @@ TEST(CudaMxfp8Model, FixtureMatchesTheBf16PathOnTheSameValues) {
   const GenerateRequest req = fixture_request(dir);
   const GenerateResult cpu = Engine::from_checkpoint(dir, {})->generate(req);
   const auto bf16_dir = dequantized_copy(dir);
-  for (bool fused : {true, false}) {
+  // Shared fusion on, off, and on with every step over a 1-token limit (the fused rows, FP8 with
+  // their scales, run as the shared MLP).
+  for (int mode = 0; mode < 3; ++mode) {
+    const bool fused = mode != 1;
     EngineOptions o;
     o.device = "cuda";
     o.shared_expert_fusion = fused;
+    o.shared_fusion_max_tokens = mode == 2 ? 1 : -1;
     const GenerateResult fp8 = Engine::from_checkpoint(dir, o)->generate(req);
     const GenerateResult bf16 = Engine::from_checkpoint(bf16_dir, o)->generate(req);
     auto err = [](const GenerateResult& a, const GenerateResult& b) {
@@ -353,7 +357,10 @@ TEST(CudaMxfp8Model, FixtureMatchesTheBf16PathOnTheSameValues) {
     std::printf(
         "MXFP8 fixture, shared fusion %s, relative L2 (prefill / steps): GPU mxfp8 vs CPU %.3g / %.3g, GPU bf16 vs "
         "CPU %.3g / %.3g, GPU mxfp8 vs GPU bf16 %.3g / %.3g\n",
-        fused ? "on" : "off", fp8_cpu_p, fp8_cpu_s, bf16_cpu_p, bf16_cpu_s, fp8_bf16_p, fp8_bf16_s);
+        mode == 0   ? "on"
+        : mode == 1 ? "off"
+                    : "on (rows as the MLP)",
+        fp8_cpu_p, fp8_cpu_s, bf16_cpu_p, bf16_cpu_s, fp8_bf16_p, fp8_bf16_s);
     EXPECT_LT(fp8_cpu_p, 1.25 * bf16_cpu_p + 0.01);
     EXPECT_LT(fp8_cpu_s, 1.25 * bf16_cpu_s + 0.01);
     EXPECT_LT(fp8_bf16_p, 1.25 * bf16_cpu_p + 0.01);

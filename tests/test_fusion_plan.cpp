@@ -163,6 +163,25 @@ TEST(FusionPlan, SharedExpertFusedAddsPhysicalRows) {
   EXPECT_EQ(plan2.shared_expert.physical_rows, tiny.num_experts + 2);
 }
 
+// Fused rows ride as slots up to a step size (the measured default, or the option), and above it
+// run as the shared MLP; 0 keeps every step fused. Unfused or refused plans never append slots.
+TEST(FusionPlan, SharedSlotsUpToTheMaxFusedTokens) {
+  const SharedExpertPlan fused = plan_for(2).shared_expert;
+  EXPECT_EQ(fused.max_fused_tokens, kSharedExpertMaxFusedTokens);
+  EXPECT_TRUE(fused.slots_at(1));
+  EXPECT_TRUE(fused.slots_at(kSharedExpertMaxFusedTokens));
+  EXPECT_FALSE(fused.slots_at(kSharedExpertMaxFusedTokens + 1));
+  EXPECT_TRUE(contains(fused.reason, fmt::format("up to {} tokens", kSharedExpertMaxFusedTokens))) << fused.reason;
+
+  const SharedExpertPlan four = plan_for(2, {.shared_expert_max_fused_tokens = 4}).shared_expert;
+  EXPECT_TRUE(four.slots_at(4));
+  EXPECT_FALSE(four.slots_at(5));
+  const SharedExpertPlan always = plan_for(2, {.shared_expert_max_fused_tokens = 0}).shared_expert;
+  EXPECT_TRUE(always.slots_at(1 << 20));
+  EXPECT_TRUE(contains(always.reason, "every step")) << always.reason;
+  EXPECT_FALSE(plan_for(2, kSharedFusionOff).shared_expert.slots_at(1));
+}
+
 // Each refusal keeps physical_rows == E (nothing extra to bin) and says why.
 TEST(FusionPlan, SharedExpertFusionRefusedWithReason) {
   const ModelConfig tiny = preset_config("tiny");

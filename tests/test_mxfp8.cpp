@@ -480,6 +480,12 @@ TEST(Mxfp8Fixture, EveryTpAndFusionEqualsTp1) {
         expect_same_logits(Engine::from_checkpoint(fixture_dir(), o)->generate(req), base, test::kTolF32,
                            fmt::format("tp {}, shared fusion {}, all-reduce fusion {}", tp, shared, allreduce));
       }
+  // Fused, with every step over a 1-token limit: the fused rows run as the shared MLP.
+  EngineOptions o;
+  o.tp = 2;
+  o.shared_fusion_max_tokens = 1;
+  expect_same_logits(Engine::from_checkpoint(fixture_dir(), o)->generate(req), base, test::kTolF32,
+                     "tp 2, shared fusion on up to 1 token a step");
 }
 
 }  // namespace

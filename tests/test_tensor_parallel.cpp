@@ -37,11 +37,12 @@ GenerateRequest synthetic_request(int vocab) {
 }
 
 EngineOptions options(int tp, bool allreduce_fusion = true, bool shared_expert_fusion = true,
-                      std::vector<int> pp_stage_ends = {}) {
+                      std::vector<int> pp_stage_ends = {}, int shared_fusion_max_tokens = -1) {
   EngineOptions o;
   o.tp = tp;
   o.allreduce_fusion = allreduce_fusion;
   o.shared_expert_fusion = shared_expert_fusion;
+  o.shared_fusion_max_tokens = shared_fusion_max_tokens;
   o.pp_stage_ends = std::move(pp_stage_ends);
   return o;
 }
@@ -108,6 +109,9 @@ TEST_F(TensorParallel, ReplicatedKvHeadsMatchTp1) {
 
 // Every fusion switch at every tp computes the same function: a deferred partial without a consumer,
 // a shared slot binned by E instead of E+n, or a shared expert reduced twice would all show here.
+// With the shared fusion's step limit at 1 token, the prefills and the batch's decode steps run the
+// fused rows as the shared MLP (a row view of the wrong expert, or its slots still appended, would
+// show).
 TEST_F(TensorParallel, FusionSwitchesDoNotChangeLogits) {
   const GenerateRequest req = synthetic_request(preset_config("tiny").vocab_size);
   const GenerateResult base = Engine::from_preset("tiny", std::nullopt, kSeed, options(1))->generate(req);
@@ -124,6 +128,12 @@ TEST_F(TensorParallel, FusionSwitchesDoNotChangeLogits) {
         expect_same_logits(engine->generate(req), base,
                            fmt::format("tp {}, shared fusion {}, all-reduce fusion {}", tp, shared, allreduce));
       }
+  for (int tp : {1, 2}) {
+    auto engine = Engine::from_preset("tiny", std::nullopt, kSeed, options(tp, true, true, {}, 1));
+    const std::string plan = engine->describe();
+    EXPECT_NE(plan.find("steps of up to 1 token append"), std::string::npos) << plan;
+    expect_same_logits(engine->generate(req), base, fmt::format("tp {}, shared fusion on up to 1 token a step", tp));
+  }
 }
 
 // A pipeline stage end makes layer 1 reduce immediately and layer 2 take a plain add + norm: the

@@ -22,8 +22,11 @@ struct EngineOptions {
   std::string device = "cpu";        // "cpu" (the reference backend) or "cuda"; the CLI's default is default_device()
   bool allreduce_fusion = true;      // deferred all-reduce fused with the next RMSNorm
   bool shared_expert_fusion = true;  // shared experts as extra routed-expert rows
-  std::vector<int> pp_stage_ends;    // pipeline stage boundaries the fusion plan honours
-  int threads = 0;                   // CPU threads in all (0: every core)
+  // Fused: steps of more tokens run those rows as the shared MLP (faster there). -1: the measured
+  // default (32); 0: every step appends the shared slots.
+  int shared_fusion_max_tokens = -1;
+  std::vector<int> pp_stage_ends;  // pipeline stage boundaries the fusion plan honours
+  int threads = 0;                 // CPU threads in all (0: every core)
   // Diagnostics and measurement knobs (filled by main from flags; the library reads no environment).
   bool profile_ops = false;             // cuda: GPU time per op, printed at the end (steps run eagerly)
   std::string allreduce_path = "auto";  // cuda, tp > 1: auto, push, oneshot, twoshot or nccl for every size

@@ -63,6 +63,7 @@ struct ModelFlags {
   int tp = 1;
   std::string device;  // empty: default_device()
   std::string shared_fusion = "on", allreduce_fusion = "on";
+  int shared_fusion_max_tokens = -1;
   int threads = 0;
   bool profile_ops = false;
   std::string allreduce_path = "auto";
@@ -80,6 +81,10 @@ struct ModelFlags {
       app->add_option("--device", device, "cpu or cuda (default: cuda when a GPU is visible, else cpu)")
           ->check(CLI::IsMember({"cpu", "cuda"}));
     app->add_option("--shared-expert-fusion", shared_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
+    app->add_option("--shared-fusion-max-tokens", shared_fusion_max_tokens,
+                    "fused shared expert: steps of more tokens run its rows as the shared MLP (default: "
+                    "measured, 32; 0: every step fused)")
+        ->check(CLI::NonNegativeNumber);
     app->add_option("--allreduce-fusion", allreduce_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
     app->add_option("--threads", threads, "CPU threads in all (default: every core)");
     app->add_flag("--profile-ops", profile_ops, "cuda: print the GPU time of every op (steps then run without graphs)");
@@ -104,6 +109,7 @@ struct ModelFlags {
     o.tp = tp;
     o.device = resolved_device();
     o.shared_expert_fusion = shared_fusion == "on";
+    o.shared_fusion_max_tokens = shared_fusion_max_tokens;
     o.allreduce_fusion = allreduce_fusion == "on";
     o.threads = threads;
     o.profile_ops = profile_ops;
@@ -458,8 +464,8 @@ void run_inspect(const InspectFlags& f) {
   if (!f.pp_stages.empty()) layout.pp_stage_ends = parse_int_list(f.pp_stages, "--pp-stages");
   layout.validate(config);
   const EngineOptions o = f.model.options();
-  const FusionPlan plan =
-      build_fusion_plan(config, layout, {o.allreduce_fusion, o.shared_expert_fusion}, shared_format_matches);
+  const FusionPlan plan = build_fusion_plan(
+      config, layout, {o.allreduce_fusion, o.shared_expert_fusion, o.shared_fusion_max_tokens}, shared_format_matches);
   fmt::print("{}{}", describe_config(config), plan.to_string());
   const RankShard shard0 = RankShard::make(config, layout, 0);
   fmt::print("lm_head: {}\n",
@@ -504,6 +510,7 @@ void run_bench(const BenchFlags& f) {
   o.allreduce_path = f.model.allreduce_path;
   o.pdl = f.model.pdl == "on";
   o.decode_gemv = f.model.decode_gemv == "on";
+  o.shared_fusion_max_tokens = f.model.shared_fusion_max_tokens;
   if (!f.batches.empty()) o.batches = parse_int_list(f.batches, "--batch");
   const bool cuda = o.device == "cuda";
   o.prompt_len = f.prompt_len.value_or(cuda ? 128 : 32);

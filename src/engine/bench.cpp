@@ -114,6 +114,8 @@ BenchReport run_bench(const BenchOptions& o) {
   report.device = o.device;
   report.tp = o.tp;
   report.emulate_tp = o.emulate_tp;
+  report.shared_fusion_max_tokens =
+      o.shared_fusion_max_tokens < 0 ? kSharedExpertMaxFusedTokens : o.shared_fusion_max_tokens;
   report.prompt_len = o.prompt_len;
   report.new_tokens = o.new_tokens;
   report.warmup = o.warmup;
@@ -159,6 +161,7 @@ BenchReport run_bench(const BenchOptions& o) {
     eo.pdl = o.pdl;
     eo.decode_gemv = o.decode_gemv;
     eo.shared_expert_fusion = s.shared_expert_fusion;
+    eo.shared_fusion_max_tokens = o.shared_fusion_max_tokens;
     eo.allreduce_fusion = s.allreduce_fusion;
     progress(fmt::format("[{}/{}] fusions {}: building the engine ({}) ...", done + 1, total, s.label(), report.model));
     std::unique_ptr<Engine> engine = o.model_dir.empty() ? Engine::from_preset(o.preset, o.layers, o.seed, eo)
@@ -242,7 +245,13 @@ std::string format_bench(const BenchReport& rep) {
   s += "floor = weight bytes a step must read (the routed experts each timed step's router chose, the shared ones, "
        "every dense weight, the batch's embedding rows; mean over the timed steps) / read bandwidth; ratio = TPOT "
        "mean / floor, >= 1 up to measurement noise\n";
-  s += "setting = shared-expert fusion / all-reduce fusion\n";
+  s += "setting = shared-expert fusion / all-reduce fusion";
+  s += rep.shared_fusion_max_tokens > 0
+           ? fmt::format(
+                 "; shared-expert fusion on: steps of more than {} tokens run the fused rows as the shared "
+                 "MLP (--shared-fusion-max-tokens)\n",
+                 rep.shared_fusion_max_tokens)
+           : "; shared-expert fusion on: every step fused\n";
   if (rep.full_layers > 0) s += rep.extrapolation + "\n";
 
   const std::string full_col = rep.full_layers > 0 ? fmt::format("tok/s @{}L (extrapolated)", rep.full_layers) : "";
@@ -303,6 +312,7 @@ nlohmann::json bench_json(const BenchReport& rep) {
   j["device"] = rep.device;
   j["tp"] = rep.tp;
   j["emulate_tp"] = rep.emulate_tp;
+  j["shared_fusion_max_tokens"] = rep.shared_fusion_max_tokens;
   j["prompt_len"] = rep.prompt_len;
   j["new_tokens"] = rep.new_tokens;
   j["warmup"] = rep.warmup;

@@ -44,6 +44,7 @@ struct BenchOptions {
   bool profile_ops = false;             // EngineOptions::profile_ops (steps then run eagerly)
   std::string allreduce_path = "auto";  // EngineOptions::allreduce_path
   bool pdl = true, decode_gemv = true;  // EngineOptions::pdl, decode_gemv
+  int shared_fusion_max_tokens = -1;    // EngineOptions::shared_fusion_max_tokens
   std::vector<int> batches;             // empty: default_batches(device)
   int prompt_len = 32;
   int new_tokens = 32;  // G >= 3: G - 1 decode steps, G - 2 of them timed as TPOT
@@ -91,6 +92,7 @@ struct BenchReport {
   std::string device;
   int tp = 1, prompt_len = 0, new_tokens = 0, warmup = 0;
   int emulate_tp = 0;                        // > 0: the rows time rank 0 of a tp-N group alone (no communication)
+  int shared_fusion_max_tokens = 0;          // shared-expert fusion on: steps above it unfused (0: none)
   double read_bandwidth_gbs = 0;             // measured read-only stream: the floor's ceiling
   double copy_bandwidth_gbs = 0;             // measured copy, bytes read + written (for reference)
   std::vector<double> weights_gib_per_rank;  // one per setting, in settings order

@@ -87,7 +87,9 @@ class SpmdEngine final : public Engine {
     layout_.tp = launch_.tp;
     layout_.pp_stage_ends = o.pp_stage_ends;
     layout_.validate(config_);
-    plan_ = build_fusion_plan(config_, layout_, {o.allreduce_fusion, o.shared_expert_fusion}, shared_format_matches);
+    plan_ =
+        build_fusion_plan(config_, layout_, {o.allreduce_fusion, o.shared_expert_fusion, o.shared_fusion_max_tokens},
+                          shared_format_matches);
 #ifdef TPMOE_WITH_CUDA
     if (o.device == "cuda") {
       cuda::CudaBackendOptions co;

@@ -38,8 +38,15 @@ SharedExpertPlan plan_shared_expert(const ModelConfig& c, const ParallelLayout& 
   } else {
     p.fused = true;
     p.physical_rows = c.num_experts + c.num_shared_experts;
-    p.reason = fmt::format("fused: shared experts are rows {}..{} of the routed weights, weight 1/rsf = {}",
-                           c.num_experts, p.physical_rows - 1, 1.0f / c.routed_scaling_factor);
+    p.max_fused_tokens =
+        o.shared_expert_max_fused_tokens < 0 ? kSharedExpertMaxFusedTokens : o.shared_expert_max_fused_tokens;
+    p.reason = fmt::format("fused: shared experts are rows {}..{} of the routed weights, weight 1/rsf = {}; {}",
+                           c.num_experts, p.physical_rows - 1, 1.0f / c.routed_scaling_factor,
+                           p.max_fused_tokens == 0
+                               ? "every step appends them to each token's slots"
+                               : fmt::format("steps of up to {} token{} append them to each token's slots, larger "
+                                             "ones run those rows as the shared MLP",
+                                             p.max_fused_tokens, p.max_fused_tokens == 1 ? "" : "s"));
   }
   return p;
 }

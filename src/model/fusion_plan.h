@@ -1,7 +1,8 @@
 // The fusion plan (SPEC §4): where each tensor-parallel partial sum is reduced, and whether the
 // shared expert rides in the routed experts' weights. A pure function of the config, the parallel
-// layout and the user's switches, fixed when the model is built (never decided per step) and
-// printable, so `tpmoe inspect` shows exactly what a run will do.
+// layout and the user's switches, fixed when the model is built (what a step does depends on its
+// token count only, never on measurements at run time) and printable, so `tpmoe inspect` shows
+// exactly what a run will do.
 #pragma once
 
 #include <string>
@@ -12,9 +13,17 @@
 
 namespace tpmoe {
 
+// Steps of at most this many tokens run a fused shared expert inside the routed experts' kernels;
+// larger ones run the same weight rows as the shared MLP, which measured faster there (the grouped
+// GEMM's tiles, sized for routed experts, lose to a dense GEMM on a row every token reads:
+// docs/PERF.md, "The shared expert's layout per batch").
+constexpr int kSharedExpertMaxFusedTokens = 32;
+
 struct FusionOptions {
   bool allreduce_fusion = true;      // --allreduce-fusion on|off
   bool shared_expert_fusion = true;  // --shared-expert-fusion on|off
+  // --shared-fusion-max-tokens: -1 = kSharedExpertMaxFusedTokens, 0 = no limit (every step fused).
+  int shared_expert_max_fused_tokens = -1;
 };
 
 // Where one partial sum gets reduced.
@@ -39,9 +48,14 @@ struct LayerPlan {
 };
 
 struct SharedExpertPlan {
-  bool fused = false;     // shared experts are expert rows E..E+n-1 of the routed weights
-  int physical_rows = 0;  // rows every expert-binned structure is sized by: E + n when fused, E otherwise
+  bool fused = false;        // shared experts are expert rows E..E+n-1 of the routed weights
+  int physical_rows = 0;     // rows every expert-binned structure is sized by: E + n when fused, E otherwise
+  int max_fused_tokens = 0;  // fused: steps of more tokens run rows E.. as the shared MLP (0: none do)
   std::string reason;
+
+  // Whether a step of `tokens` tokens appends the shared slots to the routed ones (else, when fused,
+  // it runs the shared rows as their own MLP). A function of the token count only, fixed at build.
+  bool slots_at(int tokens) const { return fused && (max_fused_tokens == 0 || tokens <= max_fused_tokens); }
 };
 
 struct FusionPlan {

@@ -130,7 +130,9 @@ void Model::mlp(const SublayerInput& in, const MlpWeights& w, int T, Tensor out)
 
 void Model::moe(int l, const SublayerInput& in, int T, Tensor out) {
   const MoeWeights& m = w_.layers[l].moe;
-  const bool fused = plan_.shared_expert.fused;
+  // Fused shared experts ride as extra slots, or (steps of many tokens: SharedExpertPlan) run their
+  // rows of the routed weights as the shared MLP.
+  const bool fused = plan_.shared_expert.slots_at(T);
   RouterParams rp;
   rp.layer = l;
   rp.num_experts = c_.num_experts;
@@ -148,12 +150,21 @@ void Model::moe(int l, const SublayerInput& in, int T, Tensor out) {
                      {c_.swiglu_alpha, c_.swiglu_limit}, c_.routed_scaling_factor, out);
   // Unfused: the shared expert runs as its own MLP. Its partial sum joins the routed one before the
   // layer's single reduction (never reduced twice, never once each).
+  SublayerInput ready;
+  ready.h = h;
   if (!m.shared.gate_up.empty()) {
     Tensor shared = ops_.alloc(T, c_.hidden_size);
-    SublayerInput ready;
-    ready.h = h;
     mlp(ready, m.shared, T, shared);
     ops_.add(shared, out);
+  } else if (plan_.shared_expert.fused && !fused) {
+    // The fused rows E..E+n-1, each one shared expert's slice ([gate; up] and down), as n MLPs:
+    // the shared MLP's function (its intermediate is the n slices side by side).
+    Tensor shared = ops_.alloc(T, c_.hidden_size);
+    for (int j = 0; j < c_.num_shared_experts; ++j) {
+      const int64_t r = c_.num_experts + j;
+      mlp(ready, {m.experts_gate_up.row(r), m.experts_down.row(r)}, T, shared);
+      ops_.add(shared, out);
+    }
   }
 }
 

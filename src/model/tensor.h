@@ -36,6 +36,14 @@ struct Tensor {
   T* as() const {
     return static_cast<T*>(data);
   }
+
+  // Row r of a 3-D tensor, [d0, d1, d2] -> [d1, d2], sharing its storage (and its MXFP8 scales).
+  Tensor row(int64_t r) const {
+    const int64_t elems = shape[1] * shape[2];
+    Tensor t = make(static_cast<char*>(data) + r * elems * int64_t(dtype_size(dtype)), dtype, shape[1], shape[2]);
+    if (scale != nullptr) t.scale = static_cast<char*>(scale) + r * (elems / kMxfp8BlockSize);
+    return t;
+  }
 };
 
 }  // namespace tpmoe
