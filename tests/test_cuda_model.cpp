@@ -102,7 +102,8 @@ void expect_paths_agree(const char* what, const std::vector<float>& fused, const
       test::YardstickRule{}.exempt_limit, exempt_list.empty() ? " none" : exempt_list.c_str());
 }
 
-// The fixture on the GPU, both shared-expert paths, against the fp32 reference. Rows where the CPU
+// The fixture on the GPU, both shared-expert paths (fused in every step, the prefill included: the
+// default runs steps of more than 32 tokens unfused), against the fp32 reference. Rows where the CPU
 // oracle itself decides a router top-k or an indexer block by less than test::kExemptMargin are
 // found from the oracle's recorded margins and exempt from the yardstick (a bf16 path may take the
 // other branch there); they are printed and held to a looser limit. Every other row is held to the
@@ -118,7 +119,7 @@ TEST(CudaModel, FixtureMatchesReference) {
   const size_t V = size_t(ref.V);
   std::vector<ModelRun> runs;
   for (bool fused : {true, false}) {
-    auto engine = Engine::from_checkpoint(dir, cuda_options(fused));
+    auto engine = Engine::from_checkpoint(dir, cuda_options(fused, 0));
     const ModelRun r = run_model(*engine, ref.prompts, ref.generated, int(ref.G));
     for (const bool steps : {false, true}) {
       const test::YardstickResult j = test::judge_against_yardstick(
@@ -141,7 +142,7 @@ TEST(CudaModel, FusedEqualsUnfused) {
   const std::vector<std::vector<int32_t>> prompts{{3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4},
                                                   {2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4}};
   const std::vector<std::vector<int32_t>> forced{{10, 20, 30, 40, 50}, {60, 70, 80, 90, 100}};
-  auto fused = Engine::from_preset("tiny", std::nullopt, 7, cuda_options(true));
+  auto fused = Engine::from_preset("tiny", std::nullopt, 7, cuda_options(true, 0));  // every step, prefill too
   auto unfused = Engine::from_preset("tiny", std::nullopt, 7, cuda_options(false));
   const ModelRun a = run_model(*fused, prompts, forced, 6), b = run_model(*unfused, prompts, forced, 6);
   EXPECT_LT(test::relative_l2(a.prefill, b.prefill), kModelTolerance);

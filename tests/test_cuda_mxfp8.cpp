@@ -337,14 +337,14 @@ TEST(CudaMxfp8Model, FixtureMatchesTheBf16PathOnTheSameValues) {
   const GenerateRequest req = fixture_request(dir);
   const GenerateResult cpu = Engine::from_checkpoint(dir, {})->generate(req);
   const auto bf16_dir = dequantized_copy(dir);
-  // Shared fusion on, off, and on with every step over a 1-token limit (the fused rows, FP8 with
-  // their scales, run as the shared MLP).
+  // Shared fusion on in every step, off, and on with every step over a 1-token limit (the fused
+  // rows, FP8 with their scales, run as the shared MLP).
   for (int mode = 0; mode < 3; ++mode) {
     const bool fused = mode != 1;
     EngineOptions o;
     o.device = "cuda";
     o.shared_expert_fusion = fused;
-    o.shared_fusion_max_tokens = mode == 2 ? 1 : -1;
+    o.shared_fusion_max_tokens = mode == 2 ? 1 : 0;
     const GenerateResult fp8 = Engine::from_checkpoint(dir, o)->generate(req);
     const GenerateResult bf16 = Engine::from_checkpoint(bf16_dir, o)->generate(req);
     auto err = [](const GenerateResult& a, const GenerateResult& b) {

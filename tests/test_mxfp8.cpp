@@ -476,6 +476,7 @@ TEST(Mxfp8Fixture, EveryTpAndFusionEqualsTp1) {
         EngineOptions o;
         o.tp = tp;
         o.shared_expert_fusion = shared;
+        o.shared_fusion_max_tokens = 0;  // fused in every step, the prefill included
         o.allreduce_fusion = allreduce;
         expect_same_logits(Engine::from_checkpoint(fixture_dir(), o)->generate(req), base, test::kTolF32,
                            fmt::format("tp {}, shared fusion {}, all-reduce fusion {}", tp, shared, allreduce));
