@@ -132,12 +132,12 @@ void Model::moe(int l, const SublayerInput& in, int T, Tensor out) {
   const MoeWeights& m = w_.layers[l].moe;
   // Fused shared experts ride as extra slots, or (steps of many tokens: SharedExpertPlan) run their
   // rows of the routed weights as the shared MLP.
-  const bool fused = plan_.shared_expert.slots_at(T);
+  const bool shared_slots = plan_.shared_expert.slots_at(T);
   RouterParams rp;
   rp.layer = l;
   rp.num_experts = c_.num_experts;
   rp.top_k = c_.num_experts_per_tok;
-  rp.num_shared_slots = fused ? c_.num_shared_experts : 0;
+  rp.num_shared_slots = shared_slots ? c_.num_shared_experts : 0;
   // After the output is scaled by rsf, each shared slot contributes exactly 1.0 (SPEC §4).
   rp.shared_weight = 1.f / c_.routed_scaling_factor;
   const int slots = rp.top_k + rp.num_shared_slots;
@@ -156,7 +156,7 @@ void Model::moe(int l, const SublayerInput& in, int T, Tensor out) {
     Tensor shared = ops_.alloc(T, c_.hidden_size);
     mlp(ready, m.shared, T, shared);
     ops_.add(shared, out);
-  } else if (plan_.shared_expert.fused && !fused) {
+  } else if (plan_.shared_expert.fused && !shared_slots) {
     // The fused rows E..E+n-1, each one shared expert's slice ([gate; up] and down), as n MLPs:
     // the shared MLP's function (its intermediate is the n slices side by side).
     Tensor shared = ops_.alloc(T, c_.hidden_size);
