@@ -53,9 +53,13 @@ BenchReport* BenchTest::report_ = nullptr;
 
 TEST_F(BenchTest, EveryRowHasEveryField) {
   const json j = bench_json(*report_);
-  for (const char* key : {"tool", "model", "device", "tp", "prompt_len", "new_tokens", "warmup", "copy_bandwidth_gbs",
-                          "read_bandwidth_gbs", "weights_gib_per_rank", "protocol", "rows", "gains"})
+  for (const char* key :
+       {"tool", "model", "device", "tp", "prompt_len", "new_tokens", "warmup", "copy_bandwidth_gbs",
+        "read_bandwidth_gbs", "weights_gib_per_rank", "protocol", "rows", "gains", "shared_expert_plan"})
     EXPECT_TRUE(j.contains(key)) << key;
+  // The plan's shared-expert decision, as the engine with the fusion on made it.
+  EXPECT_NE(j["shared_expert_plan"].get<std::string>().find("steps of up to 32 tokens"), std::string::npos)
+      << j["shared_expert_plan"];
   ASSERT_EQ(j["rows"].size(), 8u);  // 4 settings x 2 batches
   for (const auto& row : j["rows"]) {
     for (const char* key : {"setting", "shared_expert_fusion", "allreduce_fusion", "batch", "ttft_ms", "first_step_ms",

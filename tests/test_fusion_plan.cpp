@@ -180,6 +180,12 @@ TEST(FusionPlan, SharedSlotsUpToTheMaxFusedTokens) {
   EXPECT_TRUE(always.slots_at(1 << 20));
   EXPECT_TRUE(contains(always.reason, "every step")) << always.reason;
   EXPECT_FALSE(plan_for(2, kSharedFusionOff).shared_expert.slots_at(1));
+
+  // MXFP8 experts: fused in every step by default (measured faster there), a limit when asked.
+  ModelConfig mx = preset_config("tiny");
+  mx.quantization.method = QuantMethod::kMxfp8;
+  EXPECT_EQ(plan_for(2, {}, {}, mx).shared_expert.max_fused_tokens, 0);
+  EXPECT_EQ(plan_for(2, {.shared_expert_max_fused_tokens = 8}, {}, mx).shared_expert.max_fused_tokens, 8);
 }
 
 // Each refusal keeps physical_rows == E (nothing extra to bin) and says why.

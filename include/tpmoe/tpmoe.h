@@ -23,7 +23,7 @@ struct EngineOptions {
   bool allreduce_fusion = true;      // deferred all-reduce fused with the next RMSNorm
   bool shared_expert_fusion = true;  // shared experts as extra routed-expert rows
   // Fused: steps of more tokens run those rows as the shared MLP (faster there). -1: the measured
-  // default (32); 0: every step appends the shared slots.
+  // default (32 for bf16 experts, none for MXFP8); 0: every step appends the shared slots.
   int shared_fusion_max_tokens = -1;
   std::vector<int> pp_stage_ends;  // pipeline stage boundaries the fusion plan honours
   int threads = 0;                 // CPU threads in all (0: every core)

@@ -53,6 +53,15 @@ double preset_step_bytes(const std::string& preset, std::optional<int> layers, i
 
 std::string on_off(bool on) { return on ? "on" : "off"; }
 
+// The "shared expert: ..." line of an engine's description (FusionPlan::to_string), without its key.
+std::string shared_expert_line(const std::string& described) {
+  const std::string key = "shared expert: ";
+  const size_t at = described.find(key);
+  if (at == std::string::npos) return "";
+  const size_t from = at + key.size(), end = described.find('\n', from);
+  return described.substr(from, end == std::string::npos ? std::string::npos : end - from);
+}
+
 std::string format_gain(const FusionGain& g) {
   if (!g.gain) return g.note;
   return fmt::format("{:+.1f}%", *g.gain * 100.0);
@@ -114,8 +123,6 @@ BenchReport run_bench(const BenchOptions& o) {
   report.device = o.device;
   report.tp = o.tp;
   report.emulate_tp = o.emulate_tp;
-  report.shared_fusion_max_tokens =
-      o.shared_fusion_max_tokens < 0 ? kSharedExpertMaxFusedTokens : o.shared_fusion_max_tokens;
   report.prompt_len = o.prompt_len;
   report.new_tokens = o.new_tokens;
   report.warmup = o.warmup;
@@ -167,6 +174,8 @@ BenchReport run_bench(const BenchOptions& o) {
     std::unique_ptr<Engine> engine = o.model_dir.empty() ? Engine::from_preset(o.preset, o.layers, o.seed, eo)
                                                          : Engine::from_checkpoint(o.model_dir, eo);
     report.weights_gib_per_rank.push_back(double(engine->weight_bytes_per_rank()) / double(1ull << 30));
+    if (s.shared_expert_fusion && report.shared_expert_plan.empty())
+      report.shared_expert_plan = shared_expert_line(engine->describe());
     for (int batch : batches) {
       ++done;
       progress(fmt::format("[{}/{}] fusions {} batch {}: {} warm-up + 1 measured generate ...", done, total, s.label(),
@@ -245,13 +254,8 @@ std::string format_bench(const BenchReport& rep) {
   s += "floor = weight bytes a step must read (the routed experts each timed step's router chose, the shared ones, "
        "every dense weight, the batch's embedding rows; mean over the timed steps) / read bandwidth; ratio = TPOT "
        "mean / floor, >= 1 up to measurement noise\n";
-  s += "setting = shared-expert fusion / all-reduce fusion";
-  s += rep.shared_fusion_max_tokens > 0
-           ? fmt::format(
-                 "; shared-expert fusion on: steps of more than {} tokens run the fused rows as the shared "
-                 "MLP (--shared-fusion-max-tokens)\n",
-                 rep.shared_fusion_max_tokens)
-           : "; shared-expert fusion on: every step fused\n";
+  s += "setting = shared-expert fusion / all-reduce fusion\n";
+  if (!rep.shared_expert_plan.empty()) s += "shared-expert fusion on: " + rep.shared_expert_plan + "\n";
   if (rep.full_layers > 0) s += rep.extrapolation + "\n";
 
   const std::string full_col = rep.full_layers > 0 ? fmt::format("tok/s @{}L (extrapolated)", rep.full_layers) : "";
@@ -312,7 +316,7 @@ nlohmann::json bench_json(const BenchReport& rep) {
   j["device"] = rep.device;
   j["tp"] = rep.tp;
   j["emulate_tp"] = rep.emulate_tp;
-  j["shared_fusion_max_tokens"] = rep.shared_fusion_max_tokens;
+  j["shared_expert_plan"] = rep.shared_expert_plan;
   j["prompt_len"] = rep.prompt_len;
   j["new_tokens"] = rep.new_tokens;
   j["warmup"] = rep.warmup;

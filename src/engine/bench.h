@@ -92,7 +92,7 @@ struct BenchReport {
   std::string device;
   int tp = 1, prompt_len = 0, new_tokens = 0, warmup = 0;
   int emulate_tp = 0;                        // > 0: the rows time rank 0 of a tp-N group alone (no communication)
-  int shared_fusion_max_tokens = 0;          // shared-expert fusion on: steps above it unfused (0: none)
+  std::string shared_expert_plan;            // the fusion plan's shared-expert decision with the fusion on
   double read_bandwidth_gbs = 0;             // measured read-only stream: the floor's ceiling
   double copy_bandwidth_gbs = 0;             // measured copy, bytes read + written (for reference)
   std::vector<double> weights_gib_per_rank;  // one per setting, in settings order

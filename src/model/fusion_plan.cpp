@@ -16,6 +16,10 @@ const char* reduce_name(Reduce r) {
   return "?";
 }
 
+int default_shared_fusion_max_tokens(const ModelConfig& config) {
+  return config.quantization.method == QuantMethod::kMxfp8 ? 0 : kSharedExpertMaxFusedTokens;
+}
+
 namespace {
 
 SharedExpertPlan plan_shared_expert(const ModelConfig& c, const ParallelLayout& layout, const FusionOptions& o,
@@ -39,7 +43,7 @@ SharedExpertPlan plan_shared_expert(const ModelConfig& c, const ParallelLayout& 
     p.fused = true;
     p.physical_rows = c.num_experts + c.num_shared_experts;
     p.max_fused_tokens =
-        o.shared_expert_max_fused_tokens < 0 ? kSharedExpertMaxFusedTokens : o.shared_expert_max_fused_tokens;
+        o.shared_expert_max_fused_tokens < 0 ? default_shared_fusion_max_tokens(c) : o.shared_expert_max_fused_tokens;
     p.reason = fmt::format("fused: shared experts are rows {}..{} of the routed weights, weight 1/rsf = {}; {}",
                            c.num_experts, p.physical_rows - 1, 1.0f / c.routed_scaling_factor,
                            p.max_fused_tokens == 0

@@ -13,16 +13,18 @@
 
 namespace tpmoe {
 
-// Steps of at most this many tokens run a fused shared expert inside the routed experts' kernels;
-// larger ones run the same weight rows as the shared MLP, which measured faster there (the grouped
-// GEMM's tiles, sized for routed experts, lose to a dense GEMM on a row every token reads:
-// docs/PERF.md, "The shared expert's layout per batch").
+// bf16 experts: steps of at most this many tokens run a fused shared expert inside the routed
+// experts' kernels; larger ones run the same weight rows as the shared MLP, which measured faster
+// there (the grouped GEMM's tiles, sized for routed experts, lose to a dense GEMM on a row every
+// token reads). MXFP8 experts: every step fused (the shared MLP measured slower at 64 and 128
+// tokens). docs/PERF.md, "The shared expert's layout per batch".
 constexpr int kSharedExpertMaxFusedTokens = 32;
+int default_shared_fusion_max_tokens(const ModelConfig& config);  // 0: no limit
 
 struct FusionOptions {
   bool allreduce_fusion = true;      // --allreduce-fusion on|off
   bool shared_expert_fusion = true;  // --shared-expert-fusion on|off
-  // --shared-fusion-max-tokens: -1 = kSharedExpertMaxFusedTokens, 0 = no limit (every step fused).
+  // --shared-fusion-max-tokens: -1 = default_shared_fusion_max_tokens, 0 = no limit (every step fused).
   int shared_expert_max_fused_tokens = -1;
 };
 
