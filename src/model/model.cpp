@@ -148,23 +148,21 @@ void Model::moe(int l, const SublayerInput& in, int T, Tensor out) {
   const Tensor h = in.h;
   ops_.route_experts(h, {logits, m.bias, rp, slot_ids, slot_weights}, m.experts_gate_up, m.experts_down,
                      {c_.swiglu_alpha, c_.swiglu_limit}, c_.routed_scaling_factor, out);
-  // Unfused: the shared expert runs as its own MLP. Its partial sum joins the routed one before the
-  // layer's single reduction (never reduced twice, never once each).
+  // Unfused (or fused, in a step without the shared slots): the shared expert runs as its own MLP,
+  // from its own weights or from its rows E..E+n-1 of the routed weights, each one shared expert's
+  // slice ([gate; up] and down): n MLPs with the shared MLP's function (its intermediate is the n
+  // slices side by side). Its partial sum joins the routed one before the layer's single reduction
+  // (never reduced twice, never once each).
+  const bool own_weights = !m.shared.gate_up.empty();
+  const int mlps = own_weights ? 1 : plan_.shared_expert.fused && !shared_slots ? c_.num_shared_experts : 0;
+  if (mlps == 0) return;
   SublayerInput ready;
   ready.h = h;
-  if (!m.shared.gate_up.empty()) {
-    Tensor shared = ops_.alloc(T, c_.hidden_size);
-    mlp(ready, m.shared, T, shared);
+  Tensor shared = ops_.alloc(T, c_.hidden_size);
+  for (int j = 0; j < mlps; ++j) {
+    const int64_t r = c_.num_experts + j;
+    mlp(ready, own_weights ? m.shared : MlpWeights{m.experts_gate_up.row(r), m.experts_down.row(r)}, T, shared);
     ops_.add(shared, out);
-  } else if (plan_.shared_expert.fused && !shared_slots) {
-    // The fused rows E..E+n-1, each one shared expert's slice ([gate; up] and down), as n MLPs:
-    // the shared MLP's function (its intermediate is the n slices side by side).
-    Tensor shared = ops_.alloc(T, c_.hidden_size);
-    for (int j = 0; j < c_.num_shared_experts; ++j) {
-      const int64_t r = c_.num_experts + j;
-      mlp(ready, {m.experts_gate_up.row(r), m.experts_down.row(r)}, T, shared);
-      ops_.add(shared, out);
-    }
   }
 }
 
