@@ -1,11 +1,10 @@
 // The byte-level BPE tokenizer (src/text): the presets' generated tokenizer.json, round trips, the
-// streaming decoder, every "not supported" / corrupt input error, encode throughput, and the comparison
-// with Hugging Face `tokenizers` on generated strings (tests/tokenizer/compare_hf.py through `tpmoe
-// tokenize`).
+// streaming decoder, every "not supported" / corrupt input error, and the comparison with Hugging Face
+// `tokenizers` on generated strings (tests/tokenizer/compare_hf.py through `tpmoe tokenize`). Encode
+// throughput is bench/bench_tokenize's.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
-#include <time.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -249,50 +248,6 @@ TEST(Tokenizer, CliErrorsNameTheLine) {
   EXPECT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(r.output, "\"]~b]hi\"\n");
   fs::remove_all(dir);
-}
-
-double thread_cpu_seconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
-}
-
-// Encode MB/s of English text on one thread, in CPU time (the test machines are shared; wall time
-// would measure the neighbours). The text: Debian's license files when present, else generated prose.
-TEST(Tokenizer, EncodeThroughput) {
-  std::string text;
-  const fs::path licenses = "/usr/share/common-licenses";
-  if (fs::is_directory(licenses))
-    for (const auto& e : fs::directory_iterator(licenses)) {
-      if (!e.is_regular_file()) continue;
-      std::ifstream in(e.path(), std::ios::binary);
-      const std::string s{std::istreambuf_iterator<char>(in), {}};
-      if (find_invalid_utf8(s) == std::string_view::npos) text += s;
-    }
-  if (text.size() < 100000) {
-    std::mt19937 rng(3);
-    const char* words[] = {"the",     "model", "reads", "text",   "and",  "writes",  "tokens", "quickly", "while",
-                           "experts", "share", "work",  "across", "many", "devices", "in",     "parallel"};
-    while (text.size() < 300000) text += std::string(words[rng() % std::size(words)]) + (rng() % 9 ? " " : ".\n");
-  }
-  const Tokenizer t = Tokenizer::from_json(make_preset_tokenizer_json(200064), "m3 preset");
-  double t0 = thread_cpu_seconds();
-  size_t tokens = t.encode(text).size();
-  const double cold = thread_cpu_seconds() - t0;
-  double best = 1e30;
-  for (int pass = 0; pass < 5; ++pass) {
-    t0 = thread_cpu_seconds();
-    tokens = t.encode(text).size();
-    best = std::min(best, thread_cpu_seconds() - t0);
-  }
-  const double mb = double(text.size()) / 1e6;
-  std::printf("encode, m3 preset tokenizer, %.2f MB of English -> %zu tokens: first pass %.1f MB/s, warm %.1f MB/s\n",
-              mb, tokens, mb / cold, mb / best);
-#ifdef NDEBUG
-  // The target is 20 MB/s; on a shared, loaded 2-core machine the measured value swings between about
-  // 14 and 27 MB/s, so the test holds a floor that catches a lost cache or JIT, not the target itself.
-  EXPECT_GE(mb / best, 8.0) << "encode is far below the 20 MB/s target";
-#endif
 }
 
 // The comparison with Hugging Face tokenizers: >= 10,000 strings per tokenizer, three regex styles and
