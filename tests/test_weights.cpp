@@ -138,5 +138,27 @@ TEST(Weights, RankSlicesCoverTheFullMatrices) {
   }
 }
 
+// Tensor::row views row r of the first dimension in place: the fused shared expert's rows of the
+// stacked expert weights (3-D, with MXFP8 scales) run as its MLP through these views.
+TEST(Weights, TensorRowViewsInPlace) {
+  float data[2 * 3 * 64];
+  uint8_t scales[2 * 3 * 2];
+  Tensor stacked = Tensor::make(data, DType::kF32, 2, 3, 64);
+  stacked.scale = scales;
+  const Tensor r1 = stacked.row(1);
+  EXPECT_EQ(r1.ndim, 2);
+  EXPECT_EQ(r1.dim(0), 3);
+  EXPECT_EQ(r1.dim(1), 64);
+  EXPECT_EQ(r1.numel(), 3 * 64);
+  EXPECT_EQ(r1.as<float>(), data + 3 * 64);
+  EXPECT_EQ(static_cast<uint8_t*>(r1.scale), scales + 3 * 64 / 32);
+  const Tensor r12 = r1.row(2);  // and of a 2-D one: a vector
+  EXPECT_EQ(r12.ndim, 1);
+  EXPECT_EQ(r12.dim(0), 64);
+  EXPECT_EQ(r12.as<float>(), data + 5 * 64);
+  EXPECT_EQ(static_cast<uint8_t*>(r12.scale), scales + 5 * 64 / 32);
+  EXPECT_EQ(Tensor::make(data, DType::kF32, 2, 3, 64).row(0).scale, nullptr);
+}
+
 }  // namespace
 }  // namespace tpmoe

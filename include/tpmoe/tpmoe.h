@@ -112,6 +112,8 @@ class Engine {
   virtual void serve(const ServeOptions& options, const std::function<void(Scheduler& scheduler)>& front) = 0;
   // Config summary and the fusion plan, as `tpmoe inspect` prints them.
   virtual std::string describe() const = 0;
+  // What the fusion plan does with the shared experts, and why (describe()'s "shared expert:" line).
+  virtual std::string shared_expert_plan() const = 0;
   // Checkpoint tensors the model did not read (vision and mtp. tensors excluded): reported, not fatal.
   virtual const std::vector<std::string>& unknown_tensors() const = 0;
   // True in the process that holds rank 0: the one that returns results, prints and writes files

@@ -53,15 +53,6 @@ double preset_step_bytes(const std::string& preset, std::optional<int> layers, i
 
 std::string on_off(bool on) { return on ? "on" : "off"; }
 
-// The "shared expert: ..." line of an engine's description (FusionPlan::to_string), without its key.
-std::string shared_expert_line(const std::string& described) {
-  const std::string key = "shared expert: ";
-  const size_t at = described.find(key);
-  if (at == std::string::npos) return "";
-  const size_t from = at + key.size(), end = described.find('\n', from);
-  return described.substr(from, end == std::string::npos ? std::string::npos : end - from);
-}
-
 std::string format_gain(const FusionGain& g) {
   if (!g.gain) return g.note;
   return fmt::format("{:+.1f}%", *g.gain * 100.0);
@@ -175,7 +166,7 @@ BenchReport run_bench(const BenchOptions& o) {
                                                          : Engine::from_checkpoint(o.model_dir, eo);
     report.weights_gib_per_rank.push_back(double(engine->weight_bytes_per_rank()) / double(1ull << 30));
     if (s.shared_expert_fusion && report.shared_expert_plan.empty())
-      report.shared_expert_plan = shared_expert_line(engine->describe());
+      report.shared_expert_plan = engine->shared_expert_plan();
     for (int batch : batches) {
       ++done;
       progress(fmt::format("[{}/{}] fusions {} batch {}: {} warm-up + 1 measured generate ...", done, total, s.label(),

@@ -116,6 +116,7 @@ class SpmdEngine final : public Engine {
     if (!unused_.empty()) s += fmt::format("unknown tensors (not read): {}\n", fmt::join(unused_, ", "));
     return s;
   }
+  std::string shared_expert_plan() const override { return plan_.shared_expert.reason; }
   size_t weight_bytes_per_rank() const override { return group_->weight_bytes_per_rank(); }
   double decode_weight_bytes(int batch, const std::vector<int>* routed_experts_per_layer) const override {
     std::vector<double> routed;

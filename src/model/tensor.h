@@ -37,10 +37,11 @@ struct Tensor {
     return static_cast<T*>(data);
   }
 
-  // Row r of a 3-D tensor, [d0, d1, d2] -> [d1, d2], sharing its storage (and its MXFP8 scales).
+  // Row r of the first dimension of a 2-D or 3-D tensor, [d0, d1(, d2)] -> [d1(, d2)], sharing its
+  // storage (and its MXFP8 scales).
   Tensor row(int64_t r) const {
-    const int64_t elems = shape[1] * shape[2];
-    Tensor t = make(static_cast<char*>(data) + r * elems * int64_t(dtype_size(dtype)), dtype, shape[1], shape[2]);
+    const int64_t elems = shape[1] * shape[2];  // unused dimensions are 1
+    Tensor t{static_cast<char*>(data) + r * elems * int64_t(dtype_size(dtype)), dtype, ndim - 1, {shape[1], shape[2], 1}};
     if (scale != nullptr) t.scale = static_cast<char*>(scale) + r * (elems / kMxfp8BlockSize);
     return t;
   }
