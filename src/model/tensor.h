@@ -41,7 +41,8 @@ struct Tensor {
   // storage (and its MXFP8 scales).
   Tensor row(int64_t r) const {
     const int64_t elems = shape[1] * shape[2];  // unused dimensions are 1
-    Tensor t{static_cast<char*>(data) + r * elems * int64_t(dtype_size(dtype)), dtype, ndim - 1, {shape[1], shape[2], 1}};
+    Tensor t{
+        static_cast<char*>(data) + r * elems * int64_t(dtype_size(dtype)), dtype, ndim - 1, {shape[1], shape[2], 1}};
     if (scale != nullptr) t.scale = static_cast<char*>(scale) + r * (elems / kMxfp8BlockSize);
     return t;
   }
