@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
   std::string text;
   if (!text_file.empty()) {
     if (!fs::is_regular_file(text_file)) {
-      std::fprintf(stderr, "bench_tokenize: %s: no such file\n", text_file.c_str());
+      std::fprintf(stderr, "bench_tokenize: %s: no such file (or not a regular file)\n", text_file.c_str());
       return 1;
     }
     text = read_file(text_file);
