@@ -18,30 +18,8 @@ namespace {
 // fp32 CPU math against an fp32 reference on the same bf16 weights: only summation order differs.
 constexpr double kFixtureTolerance = 1e-4;
 
-struct Reference {
-  std::vector<std::vector<int32_t>> prompts, generated;
-  std::vector<float> prefill_logits, step_logits;
-  int64_t B = 0, P = 0, G = 0, V = 0;
-};
-
-Reference load_reference() {
-  const auto file = io::SafetensorsSet::open_file(test::fixtures_dir() / "m3-tiny" / "reference.safetensors");
-  Reference r;
-  const auto* ids = file.find("input_ids");
-  const auto* gen = file.find("generated_ids");
-  const auto* prefill = file.find("prefill_logits");
-  r.B = ids->shape[0], r.P = ids->shape[1], r.G = gen->shape[1], r.V = prefill->shape[2];
-  const auto iv = io::to_i64(*ids), gv = io::to_i64(*gen);
-  for (int64_t b = 0; b < r.B; ++b) {
-    r.prompts.emplace_back(iv.begin() + b * r.P, iv.begin() + (b + 1) * r.P);
-    r.generated.emplace_back(gv.begin() + b * r.G, gv.begin() + (b + 1) * r.G);
-  }
-  r.prefill_logits = io::to_f32(*prefill);
-  r.step_logits = io::to_f32(*file.find("step_logits"));
-  return r;
-}
-
-GenerateResult run_teacher_forced(const std::filesystem::path& dir, const Reference& ref, EngineOptions options = {}) {
+GenerateResult run_teacher_forced(const std::filesystem::path& dir, const test::FixtureReference& ref,
+                                  EngineOptions options = {}) {
   auto engine = Engine::from_checkpoint(dir, options);
   GenerateRequest req;
   req.prompts = ref.prompts;
@@ -51,7 +29,7 @@ GenerateResult run_teacher_forced(const std::filesystem::path& dir, const Refere
   return engine->generate(req);
 }
 
-void expect_matches_reference(const GenerateResult& r, const Reference& ref) {
+void expect_matches_reference(const GenerateResult& r, const test::FixtureReference& ref) {
   std::vector<float> prefill, steps;
   for (const auto& p : r.prefill_logits) prefill.insert(prefill.end(), p.begin(), p.end());
   for (const auto& s : r.step_logits) steps.insert(steps.end(), s.begin(), s.end());
@@ -66,12 +44,12 @@ void expect_matches_reference(const GenerateResult& r, const Reference& ref) {
 }
 
 TEST(Fixture, LayoutAMatchesReference) {
-  const Reference ref = load_reference();
+  const test::FixtureReference ref = test::load_fixture_reference();
   expect_matches_reference(run_teacher_forced(test::fixtures_dir() / "m3-tiny", ref), ref);
 }
 
 TEST(Fixture, GreedyGenerationMatchesReferenceIds) {
-  const Reference ref = load_reference();
+  const test::FixtureReference ref = test::load_fixture_reference();
   auto engine = Engine::from_checkpoint(test::fixtures_dir() / "m3-tiny", {});
   GenerateRequest req;
   req.prompts = ref.prompts;
@@ -93,7 +71,7 @@ TEST(Fixture, LayoutBShardedLegacyConfigMatchesReference) {
   const auto ckpt = io::Checkpoint::open(dir);
   EXPECT_EQ(ckpt.layout(), io::CheckpointLayout::kHub);
 
-  const Reference ref = load_reference();
+  const test::FixtureReference ref = test::load_fixture_reference();
   expect_matches_reference(run_teacher_forced(dir, ref), ref);
   std::filesystem::remove_all(dir);
 }

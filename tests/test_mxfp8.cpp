@@ -404,31 +404,7 @@ TEST_F(Mxfp8Checkpoint, SharedExpertInAnotherFormatIsNotFused) {
 
 // ---- the fixture -------------------------------------------------------------------------------
 
-struct MxReference {
-  std::vector<std::vector<int32_t>> prompts, generated;
-  std::vector<float> prefill_logits, step_logits;
-  int64_t B = 0, P = 0, G = 0, V = 0;
-};
-
-MxReference load_mx_reference() {
-  const auto file = io::SafetensorsSet::open_file(fixture_dir() / "reference.safetensors");
-  MxReference r;
-  const auto* ids = file.find("input_ids");
-  const auto* gen = file.find("generated_ids");
-  const auto* prefill = file.find("prefill_logits");
-  TPMOE_CHECK(ids && gen && prefill && file.find("step_logits"), "reference.safetensors: missing tensors");
-  r.B = ids->shape[0], r.P = ids->shape[1], r.G = gen->shape[1], r.V = prefill->shape[2];
-  const auto iv = io::to_i64(*ids), gv = io::to_i64(*gen);
-  for (int64_t b = 0; b < r.B; ++b) {
-    r.prompts.emplace_back(iv.begin() + b * r.P, iv.begin() + (b + 1) * r.P);
-    r.generated.emplace_back(gv.begin() + b * r.G, gv.begin() + (b + 1) * r.G);
-  }
-  r.prefill_logits = io::to_f32(*prefill);
-  r.step_logits = io::to_f32(*file.find("step_logits"));
-  return r;
-}
-
-GenerateRequest teacher_forced(const MxReference& ref) {
+GenerateRequest teacher_forced(const test::FixtureReference& ref) {
   GenerateRequest req;
   req.prompts = ref.prompts;
   req.forced_tokens = ref.generated;
@@ -451,7 +427,7 @@ TEST(Mxfp8Fixture, HubCheckpointIsMxfp8) {
 }
 
 TEST(Mxfp8Fixture, MatchesTransformersReference) {
-  const MxReference ref = load_mx_reference();
+  const test::FixtureReference ref = test::load_fixture_reference(fixture_dir() / "reference.safetensors");
   auto engine = Engine::from_checkpoint(fixture_dir(), {});
   EXPECT_TRUE(engine->unknown_tensors().empty()) << fmt::format("{}", fmt::join(engine->unknown_tensors(), ", "));
   const GenerateResult r = engine->generate(teacher_forced(ref));
@@ -466,7 +442,7 @@ TEST(Mxfp8Fixture, MatchesTransformersReference) {
 // tp 2 and 4 (dequantized before slicing, so tp 4's 16-column expert slices are fine on the CPU)
 // with every fusion switch: the tp-1 function, to fp32 summation order.
 TEST(Mxfp8Fixture, EveryTpAndFusionEqualsTp1) {
-  const MxReference ref = load_mx_reference();
+  const test::FixtureReference ref = test::load_fixture_reference(fixture_dir() / "reference.safetensors");
   const GenerateRequest req = teacher_forced(ref);
   const GenerateResult base = Engine::from_checkpoint(fixture_dir(), {})->generate(req);
   for (int tp : {1, 2, 4})

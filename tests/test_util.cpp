@@ -46,13 +46,17 @@ CommandResult run_cli_with_prefix(const std::string& prefix, const std::string& 
 }
 
 FixtureReference load_fixture_reference() {
-  const auto file = io::SafetensorsSet::open_file(fixtures_dir() / "m3-tiny" / "reference.safetensors");
+  return load_fixture_reference(fixtures_dir() / "m3-tiny" / "reference.safetensors");
+}
+
+FixtureReference load_fixture_reference(const std::filesystem::path& path) {
+  const auto file = io::SafetensorsSet::open_file(path);
   FixtureReference r;
   const auto* ids = file.find("input_ids");
   const auto* gen = file.find("generated_ids");
   const auto* prefill = file.find("prefill_logits");
   const auto* steps = file.find("step_logits");
-  if (!ids || !gen || !prefill || !steps) throw std::runtime_error("reference.safetensors: a tensor is missing");
+  if (!ids || !gen || !prefill || !steps) throw std::runtime_error(path.string() + ": a tensor is missing");
   r.B = ids->shape[0], r.P = ids->shape[1], r.G = gen->shape[1], r.V = prefill->shape[2];
   const auto iv = io::to_i64(*ids), gv = io::to_i64(*gen);
   for (int64_t b = 0; b < r.B; ++b) {

@@ -27,13 +27,15 @@ CommandResult run_cli(const std::string& args);
 // The same, started through a launcher (`prefix`, e.g. "mpirun -np 2").
 CommandResult run_cli_with_prefix(const std::string& prefix, const std::string& args);
 
-// The fixture's reference run (fixtures/m3-tiny/reference.safetensors, SPEC §5), batch-major.
+// A fixture's reference run (its reference.safetensors, SPEC §5), batch-major.
 struct FixtureReference {
   std::vector<std::vector<int32_t>> prompts, generated;  // [B][P], [B][G]
   std::vector<float> prefill_logits;                     // [B, P, V]
   std::vector<float> step_logits;                        // [G, B, V]
   int64_t B = 0, P = 0, G = 0, V = 0;
 };
+FixtureReference load_fixture_reference(const std::filesystem::path& file);
+// m3-tiny's: fixtures/m3-tiny/reference.safetensors.
 FixtureReference load_fixture_reference();
 
 // The rows of a per-sequence or per-step result (GenerateResult::prefill_logits, step_logits) end to end.
