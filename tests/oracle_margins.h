@@ -65,12 +65,7 @@ inline OracleRun run_cpu_oracle(const std::filesystem::path& dir, const Generate
 
 // The oracle run teacher-forced on the fixture's prompts and generated tokens (SPEC §5), recorded.
 inline OracleRun run_fixture_oracle(const FixtureReference& ref) {
-  GenerateRequest req;
-  req.prompts = ref.prompts;
-  req.forced_tokens = ref.generated;
-  req.max_new_tokens = int(ref.G);
-  req.return_prefill_logits = true;
-  return run_cpu_oracle(fixtures_dir() / "m3-tiny", req, true);
+  return run_cpu_oracle(fixtures_dir() / "m3-tiny", teacher_forced_request(ref), true);
 }
 
 // The smallest decision of the oracle row that produced a logit row, or nullptr when the row made

@@ -55,12 +55,7 @@ EngineOptions gpu_options(int tp, bool allreduce_fusion = true) {
 
 TEST(CudaMultiGpu, FixtureAtTp2MatchesTp1) {
   TPMOE_REQUIRE_GPUS(2);
-  const auto ref = test::load_fixture_reference();
-  GenerateRequest req;
-  req.prompts = ref.prompts;
-  req.forced_tokens = ref.generated;
-  req.max_new_tokens = int(ref.G);
-  req.return_prefill_logits = true;
+  const GenerateRequest req = test::teacher_forced_request(test::load_fixture_reference());
   const auto dir = test::fixtures_dir() / "m3-tiny";
   const Logits base = run(*Engine::from_checkpoint(dir, gpu_options(1)), req);
   for (bool fused : {true, false}) {

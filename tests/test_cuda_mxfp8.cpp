@@ -284,21 +284,6 @@ TEST(CudaMxfp8Quantize, MatchesHostQuantizerBitForBit) {
 
 // ---- the engine ---------------------------------------------------------------------------------
 
-GenerateRequest fixture_request(const std::filesystem::path& dir) {
-  const auto ref = io::SafetensorsSet::open_file(dir / "reference.safetensors");
-  const auto ids = io::to_i64(*ref.find("input_ids")), gen = io::to_i64(*ref.find("generated_ids"));
-  const int64_t B = ref.find("input_ids")->shape[0], P = ref.find("input_ids")->shape[1];
-  const int64_t G = ref.find("generated_ids")->shape[1];
-  GenerateRequest req;
-  for (int64_t b = 0; b < B; ++b) {
-    req.prompts.emplace_back(ids.begin() + b * P, ids.begin() + (b + 1) * P);
-    req.forced_tokens.emplace_back(gen.begin() + b * G, gen.begin() + (b + 1) * G);
-  }
-  req.max_new_tokens = int(G);
-  req.return_prefill_logits = true;
-  return req;
-}
-
 // The fixture's MXFP8 values as a bf16 checkpoint (exact: an e4m3 value times a power of two is a
 // bf16), same hub names, no quantization_config.
 std::filesystem::path dequantized_copy(const std::filesystem::path& dir) {
@@ -334,7 +319,7 @@ std::filesystem::path dequantized_copy(const std::filesystem::path& dir) {
 TEST(CudaMxfp8Model, FixtureMatchesTheBf16PathOnTheSameValues) {
   TPMOE_REQUIRE_GPU();
   const auto dir = std::filesystem::path(__FILE__).parent_path() / "fixtures" / "m3-tiny-mxfp8";
-  const GenerateRequest req = fixture_request(dir);
+  const GenerateRequest req = test::teacher_forced_request(test::load_fixture_reference(dir / "reference.safetensors"));
   const GenerateResult cpu = Engine::from_checkpoint(dir, {})->generate(req);
   const auto bf16_dir = dequantized_copy(dir);
   // Shared fusion on in every step, off, and on with every step over a 1-token limit (the fused

@@ -150,11 +150,7 @@ TEST(DecisionMargins, CpuOpsRecordsWhatTheOpsDecide) {
 
 TEST(DecisionMargins, RecordingAFixtureRunChangesNoLogit) {
   const test::FixtureReference ref = test::load_fixture_reference();
-  GenerateRequest req;
-  req.prompts = ref.prompts;
-  req.forced_tokens = ref.generated;
-  req.max_new_tokens = int(ref.G);
-  req.return_prefill_logits = true;
+  const GenerateRequest req = test::teacher_forced_request(ref);
   const test::OracleRun plain = test::run_cpu_oracle(test::fixtures_dir() / "m3-tiny", req, false);
   const test::OracleRun recorded = test::run_cpu_oracle(test::fixtures_dir() / "m3-tiny", req, true);
   EXPECT_TRUE(plain.decisions.steps().empty());

@@ -20,21 +20,12 @@ constexpr double kFixtureTolerance = 1e-4;
 
 GenerateResult run_teacher_forced(const std::filesystem::path& dir, const test::FixtureReference& ref,
                                   EngineOptions options = {}) {
-  auto engine = Engine::from_checkpoint(dir, options);
-  GenerateRequest req;
-  req.prompts = ref.prompts;
-  req.forced_tokens = ref.generated;
-  req.max_new_tokens = int(ref.G);
-  req.return_prefill_logits = true;
-  return engine->generate(req);
+  return Engine::from_checkpoint(dir, options)->generate(test::teacher_forced_request(ref));
 }
 
 void expect_matches_reference(const GenerateResult& r, const test::FixtureReference& ref) {
-  std::vector<float> prefill, steps;
-  for (const auto& p : r.prefill_logits) prefill.insert(prefill.end(), p.begin(), p.end());
-  for (const auto& s : r.step_logits) steps.insert(steps.end(), s.begin(), s.end());
-  const double prefill_err = test::relative_l2(prefill, ref.prefill_logits);
-  const double step_err = test::relative_l2(steps, ref.step_logits);
+  const double prefill_err = test::relative_l2(test::concat(r.prefill_logits), ref.prefill_logits);
+  const double step_err = test::relative_l2(test::concat(r.step_logits), ref.step_logits);
   ::testing::Test::RecordProperty("prefill_rel_l2", std::to_string(prefill_err));
   ::testing::Test::RecordProperty("step_rel_l2", std::to_string(step_err));
   std::printf("relative L2 vs reference: prefill %.3g, steps %.3g\n", prefill_err, step_err);

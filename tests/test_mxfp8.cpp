@@ -404,15 +404,6 @@ TEST_F(Mxfp8Checkpoint, SharedExpertInAnotherFormatIsNotFused) {
 
 // ---- the fixture -------------------------------------------------------------------------------
 
-GenerateRequest teacher_forced(const test::FixtureReference& ref) {
-  GenerateRequest req;
-  req.prompts = ref.prompts;
-  req.forced_tokens = ref.generated;
-  req.max_new_tokens = int(ref.G);
-  req.return_prefill_logits = true;
-  return req;
-}
-
 // transformers in fp32 on torch's dequantized values against tpmoe's CPU oracle dequantizing on load:
 // only the order of fp32 sums differs.
 constexpr double kFixtureTolerance = 1e-4;
@@ -430,7 +421,7 @@ TEST(Mxfp8Fixture, MatchesTransformersReference) {
   const test::FixtureReference ref = test::load_fixture_reference(fixture_dir() / "reference.safetensors");
   auto engine = Engine::from_checkpoint(fixture_dir(), {});
   EXPECT_TRUE(engine->unknown_tensors().empty()) << fmt::format("{}", fmt::join(engine->unknown_tensors(), ", "));
-  const GenerateResult r = engine->generate(teacher_forced(ref));
+  const GenerateResult r = engine->generate(test::teacher_forced_request(ref));
   const double prefill_err = test::relative_l2(test::concat(r.prefill_logits), ref.prefill_logits);
   const double step_err = test::relative_l2(test::concat(r.step_logits), ref.step_logits);
   std::printf("MXFP8 fixture, relative L2 vs transformers: prefill %.3g, steps %.3g\n", prefill_err, step_err);
@@ -443,7 +434,7 @@ TEST(Mxfp8Fixture, MatchesTransformersReference) {
 // with every fusion switch: the tp-1 function, to fp32 summation order.
 TEST(Mxfp8Fixture, EveryTpAndFusionEqualsTp1) {
   const test::FixtureReference ref = test::load_fixture_reference(fixture_dir() / "reference.safetensors");
-  const GenerateRequest req = teacher_forced(ref);
+  const GenerateRequest req = test::teacher_forced_request(ref);
   const GenerateResult base = Engine::from_checkpoint(fixture_dir(), {})->generate(req);
   for (int tp : {1, 2, 4})
     for (bool shared : {true, false})

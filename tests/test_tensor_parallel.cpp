@@ -47,15 +47,6 @@ EngineOptions options(int tp, bool allreduce_fusion = true, bool shared_expert_f
   return o;
 }
 
-GenerateRequest fixture_request(const test::FixtureReference& ref) {
-  GenerateRequest req;
-  req.prompts = ref.prompts;
-  req.forced_tokens = ref.generated;
-  req.max_new_tokens = int(ref.G);
-  req.return_prefill_logits = true;
-  return req;
-}
-
 void expect_same_logits(const GenerateResult& got, const GenerateResult& want, const std::string& what) {
   SCOPED_TRACE(what);
   const double prefill_err = test::relative_l2(test::concat(got.prefill_logits), test::concat(want.prefill_logits));
@@ -89,7 +80,8 @@ class TensorParallel : public ::testing::Test {
 
 // m3-tiny has 4 q heads and 2 KV heads: tp 2 splits KV heads, tp 4 replicates them.
 TEST_F(TensorParallel, FixtureMatchesTp1) {
-  expect_tp_invariant(test::fixtures_dir() / "m3-tiny", fixture_request(test::load_fixture_reference()), {2, 4});
+  expect_tp_invariant(test::fixtures_dir() / "m3-tiny", test::teacher_forced_request(test::load_fixture_reference()),
+                      {2, 4});
 }
 
 // The tiny preset has 8 q heads, 4 KV heads and 16 experts: tp 2 and 4 split every dimension.

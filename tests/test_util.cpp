@@ -68,6 +68,15 @@ FixtureReference load_fixture_reference(const std::filesystem::path& path) {
   return r;
 }
 
+GenerateRequest teacher_forced_request(const FixtureReference& ref) {
+  GenerateRequest req;
+  req.prompts = ref.prompts;
+  req.forced_tokens = ref.generated;
+  req.max_new_tokens = int(ref.G);
+  req.return_prefill_logits = true;
+  return req;
+}
+
 std::vector<float> concat(const std::vector<std::vector<float>>& rows) {
   std::vector<float> out;
   for (const auto& r : rows) out.insert(out.end(), r.begin(), r.end());

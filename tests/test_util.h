@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "tpmoe/tpmoe.h"
+
 namespace tpmoe::test {
 
 // ../shared/fixtures beside the checkout (TPMOE_FIXTURES overrides).
@@ -34,9 +36,11 @@ struct FixtureReference {
   std::vector<float> step_logits;                        // [G, B, V]
   int64_t B = 0, P = 0, G = 0, V = 0;
 };
-FixtureReference load_fixture_reference(const std::filesystem::path& file);
+FixtureReference load_fixture_reference(const std::filesystem::path& path);
 // m3-tiny's: fixtures/m3-tiny/reference.safetensors.
 FixtureReference load_fixture_reference();
+// The reference run as a request: its prompts, its generated tokens forced, every prefill logit kept.
+GenerateRequest teacher_forced_request(const FixtureReference& ref);
 
 // The rows of a per-sequence or per-step result (GenerateResult::prefill_logits, step_logits) end to end.
 std::vector<float> concat(const std::vector<std::vector<float>>& rows);
