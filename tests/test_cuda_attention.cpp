@@ -1,7 +1,8 @@
 // CUDA attention (src/backends/cuda/attention.cu) against the CPU oracle (CpuOps::attention) on
 // fresh random inputs: full and sparse layers, prefill (several sequences of different lengths in
 // one step) and decode (1, 3, 19 tokens, each in its own slot at its own position, over a cache
-// prefilled through both backends), GQA ratios 1, 2, 8, 16, 20, head_dim 32/64/128/256, index block
+// prefilled through both backends), GQA ratios 1, 2, 4, 8, 16, 20, head_dim 32/64/128/256 (so blocks
+// of one key group and of several, with and without splits after them: attention.cu), index block
 // sizes 8 and 64, topk 2 and 16, local 1 and 2. Every step also checks the cache rows exactly and,
 // on sparse layers, the kept-block sets against cpu::select_blocks. The cache is paged (16
 // positions a page) with a shuffled page table, so a kernel that ignored the table (or read a
@@ -327,11 +328,16 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(AttnCase{"full_gqa2_hd32", 8, 4, 32, false, 0, 0, 0, 0, 256, 200},
                       AttnCase{"full_gqa8_hd128", 16, 2, 128, false, 0, 0, 0, 0, 2048, 700},
                       AttnCase{"full_gqa1_hd64", 4, 4, 64, false, 0, 0, 0, 0, 1024, 500},
+                      // few narrow heads a KV group and a long cache: 16 key groups a block and still
+                      // 4 splits at batch 1 (the groups' merge feeding the combine)
+                      AttnCase{"full_gqa2_hd32_long", 8, 4, 32, false, 0, 0, 0, 0, 4096, 1500},
                       // group 20 > 16 heads per block: two head chunks per KV head
                       AttnCase{"full_gqa20_hd256", 20, 1, 256, false, 0, 0, 0, 0, 512, 300},
                       AttnCase{"sparse_gqa2_hd32_bs8_top2_local1", 8, 4, 32, true, 32, 8, 2, 1, 256, 200},
                       AttnCase{"sparse_gqa8_hd128_bs8_top16_local2", 16, 2, 128, true, 64, 8, 16, 2, 2048, 700},
                       AttnCase{"sparse_gqa8_hd128_bs64_top2_local1", 8, 1, 128, true, 128, 64, 2, 1, 2048, 900},
+                      // 4 key groups of 4 heads of 64, 8 splits at batch 1
+                      AttnCase{"sparse_gqa4_hd64_bs8_top16_local2", 8, 2, 64, true, 64, 8, 16, 2, 2048, 700},
                       // contexts past 16 blocks of 64: the top-16 selection matters in decode
                       AttnCase{"sparse_gqa16_hd64_bs64_top16_local2", 16, 1, 64, true, 128, 64, 16, 2, 4096, 1500},
                       AttnCase{"sparse_gqa1_hd32_bs8_top2_local2", 4, 4, 32, true, 32, 8, 2, 2, 512, 300}),

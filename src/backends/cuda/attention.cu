@@ -19,14 +19,21 @@
 //    uint32 per block of max_len: ceil(max_len/bs)*4 bytes (16 KiB at 256k keys, bs 64).
 //    Bytes: T * nih * pos * ihd * 2 (index keys, read once per index head).
 // 3. attention_split_kernel<HD> (flash-decoding), grid (token, kv head x head chunk, split):
-//    one block serves up to 16 query heads of one KV group (one warp per query head), so a K/V tile
-//    is read once for the group. Splits cut [0, max_len) into fixed chunks (the grid depends on
-//    num_tokens and max_len only: graph-capturable); a split starting past the query's position
-//    exits at once. A block walks its visible keys (full layers: [chunk_lo, min(chunk_hi, pos+1));
-//    sparse layers: the kept blocks of index head g = kv head, intersected with the chunk and
-//    [0, pos]) in tiles of 32 keys: K and V rows land in shared memory by 16-byte loads (rows of
-//    invisible tile slots are zero-filled, never read), lane r scores key r, online softmax in fp32
-//    (exp2 with the scale folded into log2 units), lane l accumulates head dims [l*HD/32, (l+1)*HD/32).
+//    one block serves up to 16 query heads of one KV group (one warp per query head: a key group of
+//    warps), so a K/V tile is read once for the group. Splits cut [0, context bound) into fixed
+//    chunks (the grid depends on num_tokens and the bound only: graph-capturable); a split starting
+//    past the query's position exits at once. A block walks its visible keys (full layers:
+//    [chunk_lo, min(chunk_hi, pos+1)); sparse layers: the kept blocks of index head g = kv head,
+//    intersected with the chunk and [0, pos]) in tiles of 32 keys: K and V rows land in shared
+//    memory by 16-byte loads (rows of invisible tile slots are zero-filled, never read), lane r
+//    scores key r, online softmax in fp32 (exp2 with the scale folded into log2 units), lane l
+//    accumulates head dims [l*HD/32, (l+1)*HD/32). A block may hold several key groups (up to 32
+//    warps in all): group g takes tiles g, g + G, ... of the block's keys, all groups one tile a
+//    step between block barriers, and group 0 merges the groups' (m, l, acc) in group order at
+//    the end, as the combine does. That is the split-KV parallelism of a short context inside one
+//    block, with no combine launch behind it, where a KV group's query heads are few and narrow
+//    (choose_key_groups: a block's tile reads from shared memory bound it; MiniMax-M3's 8-16 heads
+//    of 128 a KV group take one group).
 //    With one split the block writes the bf16 output directly; otherwise per-split partials
 //    (m, l, acc[HD], fp32) go to the workspace.
 // 4. attention_combine_kernel, one block of HD threads per (token, q head): merges the partials of
@@ -34,8 +41,10 @@
 //    at all (only possible with topk_blocks = 0) gets zeros (the CPU oracle gives NaN there).
 //
 // Workspace layout (attention_workspace_bytes): [kept int32 T*nih*topk][pad to 256 B]
-//   [ml float2 T*nq*S][acc float T*nq*S*HD], the partials only when S > 1. The number of splits S
-//   is chosen so that T*nq*S <= kMaxPartialRows (16384) and chunks are >= kMinChunk (64) keys.
+//   [ml float2 T*nq*S][acc float T*nq*S*HD], the partials only when S > 1. plan_splits chooses S0
+//   chunks of >= kMinChunk (64) keys with T*nq*S0 <= kMaxPartialRows (16384); a block's G key
+//   groups take G of them (choose_key_groups), so S = ceil(S0 / G) splits run and the workspace,
+//   sized for S0, is enough.
 // Layouts: q/out [T, nq*hd], k/v [T, nkv*hd], index_q [T, nih*ihd], index_k [T, ihd], all bf16
 // row-major; cache as in kv_cache.cuh. All pointers 16-byte aligned, hd and ihd multiples of 8.
 // FLOPs for decode: 4*T*L*nq*hd (QK and PV); the indexer adds 2*T*L*nih*ihd.
@@ -43,6 +52,7 @@
 
 #include "backends/cuda/kernel_utils.cuh"
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -52,9 +62,10 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kTile = 32;      // keys per attention tile: one per lane
-constexpr int kMaxWarps = 16;  // query heads one attention block serves
-constexpr int kMaxTopk = 256;  // kept blocks per (token, index head) the kernels support
+constexpr int kTile = 32;           // keys per attention tile: one per lane
+constexpr int kMaxWarps = 16;       // query heads one attention block serves
+constexpr int kMaxBlockWarps = 32;  // warps of an attention block: its query heads times its key groups
+constexpr int kMaxTopk = 256;       // kept blocks per (token, index head) the kernels support
 // Keys per split, at least: two tiles. A split's tiles run one after another in one block (each a
 // load, a barrier, the scores and the sums: ~3 us), so where the grid is small (decode at batch 1:
 // one block per KV head) the splits are the parallelism; 256 keys a split made a 190-key context
@@ -346,22 +357,40 @@ struct SplitArgs {
   float scale_log2;  // scale * log2(e)
   int num_splits;
   int chunk;
+  int heads;           // warps of a key group: min(group, kMaxWarps)
+  int key_groups;      // G: groups of `heads` warps walking the block's tiles side by side
   __nv_bfloat16* out;  // written when num_splits == 1
   float2* ml;          // [T*nq][S] (m in log2 units, l)
   float* acc;          // [T*nq][S][HD]
 };
 
+// Dynamic shared memory of attention_split_kernel<HD>: q_s [heads][HD] bf16, then per key group its
+// K tile [kTile][HD + 8], V tile [kTile][HD] (bf16) and tile_pos [kTile] (int). After the walk a group's
+// tile space holds its (m, l) per head and then acc [heads][HD] (fp32) for the merge.
 template <int HD>
-__global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const SplitArgs a) {
+struct SplitSmem {
+  static constexpr int kKStride = HD + 8;  // padding: lane r reading row r hits distinct banks
+  static constexpr size_t kGroupBytes = size_t(kTile) * (kKStride + HD) * 2 + kTile * sizeof(int);
+  static constexpr size_t kMergeAccOffset = kMaxWarps * sizeof(float2);
+  static_assert(kGroupBytes % 16 == 0 && kMergeAccOffset + size_t(kMaxWarps) * HD * sizeof(float) <= kGroupBytes,
+                "a key group's tile space holds its merge values");
+  __host__ __device__ static size_t q_bytes(int heads) {
+    return size_t(heads) * HD * 2;
+  }  // a multiple of 16 (HD % 8 == 0)
+  __host__ __device__ static size_t bytes(int heads, int key_groups) {
+    return q_bytes(heads) + size_t(key_groups) * kGroupBytes;
+  }
+};
+
+template <int HD>
+__global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(const SplitArgs a) {
+  using Smem = SplitSmem<HD>;
   constexpr int kChunks = HD / 8;   // 16-byte vectors per row
   constexpr int kDpl = HD / kWarp;  // head dims per lane
-  constexpr int kKStride = HD + 8;  // padding: lane r reading row r hits distinct banks
-  __shared__ __align__(16) __nv_bfloat16 k_tile[kTile * kKStride];
-  __shared__ __align__(16) __nv_bfloat16 v_tile[kTile * HD];
-  __shared__ __align__(16) __nv_bfloat16 q_s[kMaxWarps * HD];
+  constexpr int kKStride = Smem::kKStride;
+  extern __shared__ __align__(16) unsigned char split_smem[];
   __shared__ int seg_start[kMaxTopk];    // first visible key of segment e
   __shared__ int seg_off[kMaxTopk + 1];  // visible keys before segment e (exclusive prefix sum)
-  __shared__ int tile_pos[kTile];        // key position of tile slot r, -1: empty slot
   pdl_wait();
   pdl_trigger();
 
@@ -373,6 +402,14 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
   if (lo > pos) return;  // uniform over the block; the combine skips this split
   const int hi = min(lo + a.chunk, pos + 1);
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  const int G = a.key_groups, group_threads = a.heads * kWarp;
+  const int kg = warp / a.heads, hw = warp % a.heads;  // key group, head warp in it
+  const int gtid = tid - kg * group_threads;           // thread in the key group
+  __nv_bfloat16* q_s = reinterpret_cast<__nv_bfloat16*>(split_smem);
+  unsigned char* group_smem = split_smem + Smem::q_bytes(a.heads) + size_t(kg) * Smem::kGroupBytes;
+  __nv_bfloat16* k_tile = reinterpret_cast<__nv_bfloat16*>(group_smem);
+  __nv_bfloat16* v_tile = k_tile + kTile * kKStride;
+  int* tile_pos = reinterpret_cast<int*>(v_tile + kTile * HD);  // key position of tile slot r, -1: empty
 
   // Visible keys as segments [seg_start[e], seg_start[e] + len_e), len_e = seg_off[e+1] - seg_off[e]
   // (possibly 0). Full layers: one segment.
@@ -412,16 +449,17 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
     }
   }
 
-  const int head_in_group = head_chunk * kMaxWarps + warp;
+  const int head_in_group = head_chunk * kMaxWarps + hw;
   const bool active = head_in_group < a.group;
   const int qh = kvh * a.group + head_in_group;
-  if (active) {
+  if (active && kg == 0) {
     const uint4* src = reinterpret_cast<const uint4*>(a.q + (size_t(t) * a.num_q_heads + qh) * HD);
-    for (int c = lane; c < kChunks; c += kWarp) reinterpret_cast<uint4*>(q_s + warp * HD)[c] = src[c];
+    for (int c = lane; c < kChunks; c += kWarp) reinterpret_cast<uint4*>(q_s + hw * HD)[c] = src[c];
   }
   __syncthreads();
 
   const int total = seg_off[num_segs];
+  const int tiles = (total + kTile - 1) / kTile;
   const size_t pos_stride = size_t(a.num_kv_heads) * HD;  // elements between consecutive pool rows
   const int32_t* slot_pages = a.pages.slot_pages(slot);
   const size_t head_offset = size_t(kvh) * HD;
@@ -430,9 +468,14 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
 #pragma unroll
   for (int i = 0; i < kDpl; ++i) acc[i] = 0.f;
 
-  for (int i0 = 0; i0 < total; i0 += kTile) {
-    if (tid < kTile) {
-      const int i = i0 + tid;
+  // Step j: key group kg takes tile j * G + kg (the trip count is the block's, so every thread meets
+  // every barrier; a group past the last tile idles through the step).
+  for (int step0 = 0; step0 < tiles; step0 += G) {
+    const int tile = step0 + kg;
+    const bool has_tile = tile < tiles;
+    const int i0 = tile * kTile;
+    if (has_tile && gtid < kTile) {
+      const int i = i0 + gtid;
       int p = -1;
       if (i < total) {  // the last segment e with seg_off[e] <= i holds key number i
         int lo_e = 0, hi_e = num_segs - 1;
@@ -445,28 +488,30 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
         }
         p = seg_start[lo_e] + (i - seg_off[lo_e]);
       }
-      tile_pos[tid] = p;
+      tile_pos[gtid] = p;
     }
     __syncthreads();
-    for (int idx = tid; idx < kTile * kChunks; idx += blockDim.x) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      const int p = tile_pos[r];
-      uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-      if (p >= 0) {
-        const size_t off = PageMap::row(slot_pages, a.pages.shift, p) * pos_stride + head_offset + size_t(c) * 8;
-        kv = *reinterpret_cast<const uint4*>(a.k_cache + off);
-        vv = *reinterpret_cast<const uint4*>(a.v_cache + off);
+    if (has_tile) {
+      for (int idx = gtid; idx < kTile * kChunks; idx += group_threads) {
+        const int r = idx / kChunks, c = idx % kChunks;
+        const int p = tile_pos[r];
+        uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+        if (p >= 0) {
+          const size_t off = PageMap::row(slot_pages, a.pages.shift, p) * pos_stride + head_offset + size_t(c) * 8;
+          kv = *reinterpret_cast<const uint4*>(a.k_cache + off);
+          vv = *reinterpret_cast<const uint4*>(a.v_cache + off);
+        }
+        *reinterpret_cast<uint4*>(k_tile + r * kKStride + c * 8) = kv;
+        *reinterpret_cast<uint4*>(v_tile + r * HD + c * 8) = vv;
       }
-      *reinterpret_cast<uint4*>(k_tile + r * kKStride + c * 8) = kv;
-      *reinterpret_cast<uint4*>(v_tile + r * HD + c * 8) = vv;
     }
     __syncthreads();
-    if (active) {
+    if (has_tile && active) {
       const int n = min(kTile, total - i0);  // slots [0, n) hold keys; the rest are zero rows
       float s = -INFINITY;
       if (lane < n) {
         float d = 0.f;
-        const uint4* qv = reinterpret_cast<const uint4*>(q_s + warp * HD);
+        const uint4* qv = reinterpret_cast<const uint4*>(q_s + hw * HD);
         const uint4* kr = reinterpret_cast<const uint4*>(k_tile + lane * kKStride);
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) d = dot8(qv[c], kr[c], d);
@@ -488,7 +533,41 @@ __global__ void __launch_bounds__(kMaxWarps* kWarp) attention_split_kernel(const
       }
       m = m_new;
     }
-    __syncthreads();  // the next tile overwrites tile_pos, k_tile, v_tile
+    __syncthreads();  // the next step overwrites tile_pos, k_tile, v_tile
+  }
+
+  if (G > 1) {
+    // Each group's (m, l, acc) per head into its own tile space (the walk is over), then group 0's
+    // warp of head hw merges the groups in group order, as the combine merges splits.
+    float2* group_ml = reinterpret_cast<float2*>(group_smem);
+    float* group_acc = reinterpret_cast<float*>(group_smem + Smem::kMergeAccOffset);
+    if (active) {
+      if (lane == 0) group_ml[hw] = make_float2(m, l);
+#pragma unroll
+      for (int i = 0; i < kDpl; ++i) group_acc[hw * HD + lane * kDpl + i] = acc[i];
+    }
+    __syncthreads();
+    if (kg != 0 || !active) return;
+    const unsigned char* groups = split_smem + Smem::q_bytes(a.heads);
+    float m_max = -INFINITY;
+    for (int g = 0; g < G; ++g)
+      m_max = fmaxf(m_max, reinterpret_cast<const float2*>(groups + size_t(g) * Smem::kGroupBytes)[hw].x);
+    l = 0.f;
+#pragma unroll
+    for (int i = 0; i < kDpl; ++i) acc[i] = 0.f;
+    if (m_max != -INFINITY) {
+      for (int g = 0; g < G; ++g) {
+        const unsigned char* at = groups + size_t(g) * Smem::kGroupBytes;
+        const float2 v = reinterpret_cast<const float2*>(at)[hw];
+        if (v.x == -INFINITY) continue;  // a group that saw no key
+        const float w = exp2f(v.x - m_max);
+        l += w * v.y;
+        const float* ga = reinterpret_cast<const float*>(at + Smem::kMergeAccOffset) + hw * HD + lane * kDpl;
+#pragma unroll
+        for (int i = 0; i < kDpl; ++i) acc[i] = fmaf(w, ga[i], acc[i]);
+      }
+    }
+    m = m_max;
   }
 
   if (!active) return;
@@ -547,11 +626,43 @@ __global__ void attention_combine_kernel(const CombineArgs a) {
   a.out[row * a.head_dim + d] = __float2bfloat16(o);
 }
 
+// Shared-memory bytes an attention block may read in one step of its walk: every warp reads its
+// group's K and V tiles (4 * kTile * HD bytes). 128 KiB is 8 warps at head_dim 128, a tp-8 rank of
+// MiniMax-M3 (8 query heads a KV head); 4 key groups there (32 warps, 512 KiB a step on one SM)
+// measured slower than 4 split blocks and their combine (docs/PERF.md), where 4 groups of 2 warps at
+// head_dim 32 (the tiny preset, 32 KiB a step) measured faster.
+constexpr size_t kMaxTileReadsPerStep = 128 * 1024;
+
+// Key groups a block of `heads` warps takes (SplitArgs::key_groups): enough for the planned splits
+// (as many as there are, so that a short context runs no combine), within the block's 32 warps, its
+// shared memory and its shared-memory reads a step. 1 where the plan has one split.
+template <int HD>
+int choose_key_groups(int planned_splits, int heads) {
+  constexpr size_t kStatic = (2 * kMaxTopk + 1) * sizeof(int);  // seg_start, seg_off
+  const size_t room = kSmemOptInMax - kStatic - SplitSmem<HD>::q_bytes(heads);
+  const int by_smem = int(room / SplitSmem<HD>::kGroupBytes);
+  const int by_reads = int(kMaxTileReadsPerStep / (size_t(heads) * 4 * kTile * HD));
+  return std::max(1, std::min({planned_splits, kMaxBlockWarps / heads, by_smem, by_reads}));
+}
+
 template <int HD>
 void launch_split(const SplitArgs& args, int num_tokens, cudaStream_t stream) {
-  const int warps = std::min(args.group, kMaxWarps);
   const dim3 grid(unsigned(num_tokens), unsigned(args.num_kv_heads * args.head_chunks), unsigned(args.num_splits));
-  launch_pdl(attention_split_kernel<HD>, grid, dim3(unsigned(warps * kWarp)), 0, stream, true, args);
+  const size_t smem = SplitSmem<HD>::bytes(args.heads, args.key_groups);
+  if (smem > 48 * 1024)
+    CUDA_CHECK(
+        cudaFuncSetAttribute(attention_split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  launch_pdl(attention_split_kernel<HD>, grid, dim3(unsigned(args.heads * args.key_groups * kWarp)), smem, stream, true,
+             args);
+}
+
+// The splits that run: the plan's chunks, G of them a block (choose_key_groups).
+template <int HD>
+void plan_key_groups(const SplitPlan& plan, SplitArgs& a) {
+  const int most = choose_key_groups<HD>(plan.num_splits, a.heads);
+  a.num_splits = int(ceil_div(plan.num_splits, most));
+  a.key_groups = int(ceil_div(plan.num_splits, a.num_splits));  // the plan's chunks spread evenly
+  a.chunk = plan.chunk * a.key_groups;
 }
 
 }  // namespace
@@ -695,12 +806,19 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
   a.block_size = sparse ? p.block_size : 0;
   a.topk = sparse ? p.topk_blocks : 0;
   a.scale_log2 = p.scale * 1.4426950408889634f;
-  a.num_splits = plan.num_splits;
-  a.chunk = plan.chunk;
+  a.heads = std::min(group, kMaxWarps);
+  switch (p.head_dim) {
+    case 32: plan_key_groups<32>(plan, a); break;
+    case 64: plan_key_groups<64>(plan, a); break;
+    case 128: plan_key_groups<128>(plan, a); break;
+    case 256: plan_key_groups<256>(plan, a); break;
+    default: check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim));
+  }
   a.out = p.out;
-  const size_t rows = size_t(T) * p.num_q_heads * plan.num_splits;
-  a.ml = plan.num_splits > 1 ? reinterpret_cast<float2*>(ws + kept_region) : nullptr;
-  a.acc = plan.num_splits > 1 ? reinterpret_cast<float*>(ws + kept_region + align_up(rows * sizeof(float2))) : nullptr;
+  // The partials of a.num_splits <= plan.num_splits splits: within the workspace sized for the plan.
+  const size_t rows = size_t(T) * p.num_q_heads * a.num_splits;
+  a.ml = a.num_splits > 1 ? reinterpret_cast<float2*>(ws + kept_region) : nullptr;
+  a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(ws + kept_region + align_up(rows * sizeof(float2))) : nullptr;
   switch (p.head_dim) {
     case 32: launch_split<32>(a, T, stream); break;
     case 64: launch_split<64>(a, T, stream); break;
@@ -710,7 +828,7 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
   }
 
   // 4. combine
-  if (plan.num_splits > 1) {
+  if (a.num_splits > 1) {
     CombineArgs ca{};
     ca.ml = a.ml;
     ca.acc = a.acc;
@@ -718,8 +836,8 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     ca.out = p.out;
     ca.num_q_heads = p.num_q_heads;
     ca.head_dim = p.head_dim;
-    ca.num_splits = plan.num_splits;
-    ca.chunk = plan.chunk;
+    ca.num_splits = a.num_splits;
+    ca.chunk = a.chunk;
     launch_pdl(attention_combine_kernel, dim3(unsigned(T), unsigned(p.num_q_heads)), dim3(unsigned(p.head_dim)), 0,
                stream, true, ca);
   }
