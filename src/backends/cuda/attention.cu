@@ -374,9 +374,8 @@ struct SplitSmem {
   static constexpr size_t kMergeAccOffset = kMaxWarps * sizeof(float2);
   static_assert(kGroupBytes % 16 == 0 && kMergeAccOffset + size_t(kMaxWarps) * HD * sizeof(float) <= kGroupBytes,
                 "a key group's tile space holds its merge values");
-  __host__ __device__ static size_t q_bytes(int heads) {
-    return size_t(heads) * HD * 2;
-  }  // a multiple of 16 (HD % 8 == 0)
+  // q_s: a multiple of 16 bytes (HD % 8 == 0), so the groups' tiles stay 16-byte aligned.
+  __host__ __device__ static size_t q_bytes(int heads) { return size_t(heads) * HD * 2; }
   __host__ __device__ static size_t bytes(int heads, int key_groups) {
     return q_bytes(heads) + size_t(key_groups) * kGroupBytes;
   }
