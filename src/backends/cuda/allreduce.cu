@@ -332,31 +332,31 @@ int block_size(int hidden) {
 
 template <int kChunks, class Peers>
 void launch_chunks(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, const Peers& peers, int grid,
-                   int threads, cudaStream_t stream) {
+                   int threads, KernelStream on) {
   // With PDL, as the kernels around it (kernel_utils.cuh): each waits before it reads the partial or
   // touches its window, so only its launch overlaps its predecessor; its successor may launch once
   // every CTA of it is running, so waiting successors never hold SMs it needs for its barriers.
   const dim3 g{unsigned(grid)}, b{unsigned(threads)};
   if (algo == AllreduceAlgo::kOneShot)
-    launch_pdl(oneshot_kernel<kChunks, Peers>, g, b, 0, stream, true, p, peers, phases);
+    launch_pdl(oneshot_kernel<kChunks, Peers>, g, b, 0, on, p, peers, phases);
   else if (algo == AllreduceAlgo::kTwoShot)
-    launch_pdl(twoshot_kernel<kChunks, Peers>, g, b, 0, stream, true, p, peers, phases);
+    launch_pdl(twoshot_kernel<kChunks, Peers>, g, b, 0, on, p, peers, phases);
   else
-    launch_pdl(push_kernel<kChunks, Peers>, g, b, 0, stream, true, p, peers, phases);
+    launch_pdl(push_kernel<kChunks, Peers>, g, b, 0, on, p, peers, phases);
 }
 
 template <class Peers>
-void launch(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, const Peers& peers, cudaStream_t stream) {
+void launch(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, const Peers& peers, KernelStream on) {
   check_arg(allreduce_fused_supported(p), "allreduce_add_rmsnorm: sizes or pointers the fused kernels do not take");
   check_arg(algo != AllreduceAlgo::kPush || allreduce_push_supported(p),
             "allreduce_add_rmsnorm: more rows than the push mailbox holds");
   const int grid = grid_size(algo, p.rows, p.nranks), threads = block_size(p.hidden);
   const int chunks = (p.hidden / 8 + threads - 1) / threads;
   switch (chunks) {
-    case 1: launch_chunks<1>(p, algo, phases, peers, grid, threads, stream); break;
-    case 2: launch_chunks<2>(p, algo, phases, peers, grid, threads, stream); break;
+    case 1: launch_chunks<1>(p, algo, phases, peers, grid, threads, on); break;
+    case 2: launch_chunks<2>(p, algo, phases, peers, grid, threads, on); break;
     case 3:
-    case 4: launch_chunks<kMaxChunks>(p, algo, phases, peers, grid, threads, stream); break;
+    case 4: launch_chunks<kMaxChunks>(p, algo, phases, peers, grid, threads, on); break;
     default: check_arg(false, "allreduce_add_rmsnorm: hidden size above kMaxFusedHidden");
   }
   CUDA_CHECK_LAUNCH();
@@ -382,18 +382,18 @@ void launch_allreduce_window_init(void* window, const WindowLayout& layout, cuda
 }
 
 void launch_allreduce_norm_emulated(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, void* const* windows,
-                                    cudaStream_t stream) {
+                                    KernelStream on) {
   if (p.rows == 0) return;
   EmulatedPeers peers{};
   for (int r = 0; r < p.nranks && r < kMaxRanks; ++r) peers.base[r] = static_cast<char*>(windows[r]);
-  launch(p, algo, phases, peers, stream);
+  launch(p, algo, phases, peers, on);
 }
 
 void launch_allreduce_norm_nccl(const AllreduceNormParams& p, AllreduceAlgo algo, ncclWindow_t window,
-                                const ncclDevComm& dev_comm, cudaStream_t stream) {
+                                const ncclDevComm& dev_comm, KernelStream on) {
   // rows == 0 on every rank alike (the same step): nobody enters a barrier.
   if (p.rows == 0) return;
-  launch(p, algo, kPhasesAll, NcclPeers{window, dev_comm}, stream);
+  launch(p, algo, kPhasesAll, NcclPeers{window, dev_comm}, on);
 }
 
 }  // namespace tpmoe::cuda

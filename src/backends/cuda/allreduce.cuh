@@ -47,6 +47,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backends/cuda/kernel_stream.h"
+
 struct ncclDevComm;
 
 namespace tpmoe::cuda {
@@ -107,11 +109,11 @@ void launch_allreduce_window_init(void* window, const WindowLayout& layout, cuda
 // the given phases of rank p.rank only; the caller runs each phase for every rank before the next
 // (push: kPhaseCopy pushes into every peer's mailbox, kPhaseReduce reads this rank's).
 void launch_allreduce_norm_emulated(const AllreduceNormParams& p, AllreduceAlgo algo, int phases, void* const* windows,
-                                    cudaStream_t stream);
+                                    KernelStream on);
 
 // The real thing: peers through NCCL's LSA pointers into `window`, LSA barrier `blockIdx.x` of
 // `dev_comm` between phases (dev_comm created with at least kMaxAllreduceBlocks LSA barriers).
 void launch_allreduce_norm_nccl(const AllreduceNormParams& p, AllreduceAlgo algo, ncclWindow_t window,
-                                const ncclDevComm& dev_comm, cudaStream_t stream);
+                                const ncclDevComm& dev_comm, KernelStream on);
 
 }  // namespace tpmoe::cuda

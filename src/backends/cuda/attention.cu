@@ -645,14 +645,13 @@ int choose_key_groups(int planned_splits, int heads) {
 }
 
 template <int HD>
-void launch_split(const SplitArgs& args, int num_tokens, cudaStream_t stream) {
+void launch_split(const SplitArgs& args, int num_tokens, KernelStream on) {
   const dim3 grid(unsigned(num_tokens), unsigned(args.num_kv_heads * args.head_chunks), unsigned(args.num_splits));
   const size_t smem = SplitSmem<HD>::bytes(args.heads, args.key_groups);
   if (smem > 48 * 1024)
     CUDA_CHECK(
         cudaFuncSetAttribute(attention_split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  launch_pdl(attention_split_kernel<HD>, grid, dim3(unsigned(args.heads * args.key_groups * kWarp)), smem, stream, true,
-             args);
+  launch_pdl(attention_split_kernel<HD>, grid, dim3(unsigned(args.heads * args.key_groups * kWarp)), smem, on, args);
 }
 
 // The splits that run: the plan's chunks, G of them a block (choose_key_groups).
@@ -678,7 +677,7 @@ size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_
   return kept_bytes(max_tokens, num_index_heads, topk_blocks) + partials;
 }
 
-void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
+void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   const int T = p.num_tokens;
   check_arg(T >= 0, "attention: num_tokens must be >= 0");
   if (T == 0) return;
@@ -760,7 +759,7 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     a.pages = pages;
     a.kv_row = p.num_kv_heads * p.head_dim;
     a.index_head_dim = sparse ? p.index_head_dim : 0;
-    launch_pdl(cache_write_kernel, dim3(unsigned(T)), dim3(kCacheWriteThreads), 0, stream, true, a);
+    launch_pdl(cache_write_kernel, dim3(unsigned(T)), dim3(kCacheWriteThreads), 0, on, a);
   }
 
   // 2. block selection
@@ -784,8 +783,7 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     a.block_size = p.block_size;
     a.topk = p.topk_blocks;
     a.local_blocks = p.local_blocks;
-    launch_pdl(select_blocks_kernel, dim3(unsigned(T), unsigned(p.num_index_heads)), dim3(kSelectThreads), smem, stream,
-               true, a);
+    launch_pdl(select_blocks_kernel, dim3(unsigned(T), unsigned(p.num_index_heads)), dim3(kSelectThreads), smem, on, a);
   }
 
   // 3. split-KV attention (topk_blocks = 0 on a sparse layer: no kept blocks, zero segments)
@@ -819,10 +817,10 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
   a.ml = a.num_splits > 1 ? reinterpret_cast<float2*>(ws + kept_region) : nullptr;
   a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(ws + kept_region + align_up(rows * sizeof(float2))) : nullptr;
   switch (p.head_dim) {
-    case 32: launch_split<32>(a, T, stream); break;
-    case 64: launch_split<64>(a, T, stream); break;
-    case 128: launch_split<128>(a, T, stream); break;
-    case 256: launch_split<256>(a, T, stream); break;
+    case 32: launch_split<32>(a, T, on); break;
+    case 64: launch_split<64>(a, T, on); break;
+    case 128: launch_split<128>(a, T, on); break;
+    case 256: launch_split<256>(a, T, on); break;
     default: check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim));
   }
 
@@ -837,8 +835,8 @@ void launch_attention(const AttentionKernelParams& p, cudaStream_t stream) {
     ca.head_dim = p.head_dim;
     ca.num_splits = a.num_splits;
     ca.chunk = a.chunk;
-    launch_pdl(attention_combine_kernel, dim3(unsigned(T), unsigned(p.num_q_heads)), dim3(unsigned(p.head_dim)), 0,
-               stream, true, ca);
+    launch_pdl(attention_combine_kernel, dim3(unsigned(T), unsigned(p.num_q_heads)), dim3(unsigned(p.head_dim)), 0, on,
+               ca);
   }
 }
 

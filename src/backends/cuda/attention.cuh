@@ -23,6 +23,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backends/cuda/kernel_stream.h"
 #include "backends/cuda/kv_cache.cuh"
 
 namespace tpmoe::cuda {
@@ -66,6 +67,6 @@ size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_
 
 // Writes the step's k, v (and index_k) into the cache (unless cache_written), selects blocks on
 // sparse layers, attends.
-void launch_attention(const AttentionKernelParams& p, cudaStream_t stream);
+void launch_attention(const AttentionKernelParams& p, KernelStream on);
 
 }  // namespace tpmoe::cuda

@@ -49,7 +49,7 @@ class CudaRank final : public RankBackend {
     auto ops = std::make_unique<CudaOps>(CudaReserve::for_budget(config_, plan_, shard_, budget), ops_options_);
     if (nccl_) {
       // Collectives join the request's stream, and let go of it when the request's ops go.
-      nccl_->set_stream(ops->stream());
+      nccl_->set_stream(ops->kernel_stream());
       ops->set_on_destroy([nccl = nccl_] { nccl->set_stream(nullptr); });
     }
     return ops;

@@ -9,7 +9,6 @@
 #include "backends/cuda/gemv.cuh"
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
-#include "backends/cuda/pdl.h"
 #include "backends/cuda/sampling.cuh"
 #include "core/error.h"
 #include "model/model.h"
@@ -103,8 +102,8 @@ CudaReserve CudaReserve::for_budget(const ModelConfig& config, const FusionPlan&
 
 CudaOps::CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options)
     : reserve_(reserve), profile_ops_(options.profile_ops), decode_gemv_(options.decode_gemv) {
-  set_programmatic_launch(options.pdl);
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  kernels_ = {stream_, options.pdl};
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), reserve.arena_bytes));
   if (reserve.moe_workspace_bytes) CUDA_CHECK(cudaMalloc(&moe_workspace_, reserve.moe_workspace_bytes));
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_arrivals_), sizeof(unsigned)));
@@ -311,14 +310,14 @@ Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
 void CudaOps::embed(Tensor table, Tensor out) {
   const auto timer = timed("embed");
   expect(out, DType::kF32, "the residual stream");
-  launch_embed({bf16(table), token_ids_, out.as<float>(), num_tokens_, int(table.dim(1)), int(table.dim(0))}, stream_);
+  launch_embed({bf16(table), token_ids_, out.as<float>(), num_tokens_, int(table.dim(1)), int(table.dim(0))}, kernels_);
 }
 
 void CudaOps::rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) {
   const auto timer = timed("rmsnorm");
   expect(x, DType::kF32, "rmsnorm input (the residual stream)");
   launch_add_rmsnorm({nullptr, x.as<float>(), weight.as<float>(), bf16_mut(out), int(x.dim(0)), int(x.dim(1)), eps},
-                     stream_);
+                     kernels_);
 }
 
 void CudaOps::add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) {
@@ -327,7 +326,7 @@ void CudaOps::add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float 
   expect(residual, DType::kF32, "the residual stream");
   launch_add_rmsnorm({bf16(partial), residual.as<float>(), weight.as<float>(), bf16_mut(out), int(residual.dim(0)),
                       int(residual.dim(1)), eps},
-                     stream_);
+                     kernels_);
 }
 
 void CudaOps::add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out,
@@ -339,7 +338,7 @@ void CudaOps::add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight
     p.norm = {bf16(partial), residual.as<float>(), weight.as<float>(), eps, norm_arrivals_, bf16_mut(out)};
     if (gemv_norm_pays(p)) {
       const auto timer = timed(fmt::format("add_rmsnorm + linears x{}", items.size()));
-      launch_gemv(p, stream_);
+      launch_gemv(p, kernels_);
       return;
     }
   }
@@ -352,7 +351,7 @@ void CudaOps::add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight
 
 void CudaOps::add(Tensor x, Tensor y) {
   const auto timer = timed("add");
-  launch_add_bf16(bf16(x), bf16_mut(y), y.numel(), stream_);
+  launch_add_bf16(bf16(x), bf16_mut(y), y.numel(), kernels_);
 }
 
 bool CudaOps::gemv_params(Tensor x, std::span<const Projection> items, GemvParams& p) const {
@@ -383,7 +382,7 @@ void CudaOps::linears(Tensor x, std::span<const Projection> items) {
     return;
   }
   const auto timer = timed(fmt::format("linears x{}", items.size()));
-  launch_gemv(p, stream_);
+  launch_gemv(p, kernels_);
 }
 
 void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
@@ -391,13 +390,13 @@ void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
   expect(x, DType::kBF16, "linear input");
   const Projection one{weight, out};
   if (GemvParams p; gemv_params(x, {&one, 1}, p)) {
-    launch_gemv(p, stream_);
+    launch_gemv(p, kernels_);
     return;
   }
   if (weight.dtype == DType::kF8E4M3) {  // MXFP8: weight-only FP8 (moe.cuh)
     launch_fp8_linear({bf16(x), weight.as<uint8_t>(), static_cast<const uint8_t*>(weight.scale), out.data,
                        out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)), int(x.dim(1))},
-                      stream_);
+                      kernels_);
     return;
   }
   expect(weight, DType::kBF16, "linear weight");
@@ -409,7 +408,7 @@ void CudaOps::head_norm_rope(std::span<const HeadNormRope> items) {
   const auto timer = timed("head_norm_rope");
   HeadNormRopeParams params[kMaxHeadNormRopeItems];
   head_norm_rope_params(items, positions_, params);
-  launch_head_norm_rope_batch(params, int(items.size()), stream_);
+  launch_head_norm_rope_batch(params, int(items.size()), kernels_);
 }
 
 AttentionKernelParams CudaOps::attention_params(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k,
@@ -443,7 +442,7 @@ AttentionKernelParams CudaOps::attention_params(Tensor q, Tensor k, Tensor v, Te
 void CudaOps::attention(Tensor q, Tensor k, Tensor v, Tensor index_q, Tensor index_k, const AttentionParams& p,
                         Tensor out) {
   const auto timer = timed(index_q.empty() ? "attention (full)" : "attention (sparse)");
-  launch_attention(attention_params(q, k, v, index_q, index_k, p, out), stream_);
+  launch_attention(attention_params(q, k, v, index_q, index_k, p, out), kernels_);
 }
 
 void CudaOps::rotate_and_attend(std::span<const HeadNormRope> rotate, Tensor q, Tensor k, Tensor v, Tensor index_q,
@@ -486,17 +485,17 @@ void CudaOps::rotate_and_attend(std::span<const HeadNormRope> rotate, Tensor q, 
   }
   {
     const auto timer = timed("head_norm_rope + cache store");
-    launch_head_norm_rope_batch(params, int(rotate.size()), stream_, {c.pages(), seq_slots_});
+    launch_head_norm_rope_batch(params, int(rotate.size()), kernels_, {c.pages(), seq_slots_});
   }
   const auto timer = timed(sparse ? "attention (sparse, cache written)" : "attention (full, cache written)");
   AttentionKernelParams a = attention_params(q, k, v, index_q, index_k, p, out);
   a.cache_written = true;  // the norm + RoPE launch above stored k, v and index_k
-  launch_attention(a, stream_);
+  launch_attention(a, kernels_);
 }
 
 void CudaOps::swiglu(Tensor gate_up, const SwigluParams& p, Tensor out) {
   const auto timer = timed("swiglu");
-  launch_swiglu({bf16(gate_up), bf16_mut(out), int(out.dim(0)), int(out.dim(1)), p.alpha, p.limit}, stream_);
+  launch_swiglu({bf16(gate_up), bf16_mut(out), int(out.dim(0)), int(out.dim(1)), p.alpha, p.limit}, kernels_);
 }
 
 RouteKernelParams CudaOps::route_params(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids,
@@ -520,7 +519,7 @@ RouteKernelParams CudaOps::route_params(Tensor router_logits, Tensor bias, const
 
 void CudaOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Tensor slot_ids, Tensor slot_weights) {
   const auto timer = timed("route");
-  launch_route(route_params(router_logits, bias, p, slot_ids, slot_weights), stream_);
+  launch_route(route_params(router_logits, bias, p, slot_ids, slot_weights), kernels_);
 }
 
 void CudaOps::enable_routing_stats(int num_layers, int num_experts) {
@@ -575,7 +574,7 @@ MoeKernelParams CudaOps::moe_params(Tensor x, Tensor slot_ids, Tensor slot_weigh
 void CudaOps::moe_experts(Tensor x, Tensor slot_ids, Tensor slot_weights, Tensor gate_up, Tensor down,
                           const SwigluParams& p, float scale, Tensor out) {
   const auto timer = timed(fmt::format("moe_experts ({} rows)", gate_up.dim(0)));
-  launch_moe(moe_params(x, slot_ids, slot_weights, gate_up, down, p, scale, out), stream_);
+  launch_moe(moe_params(x, slot_ids, slot_weights, gate_up, down, p, scale, out), kernels_);
 }
 
 void CudaOps::route_experts(Tensor x, const Routing& r, Tensor gate_up, Tensor down, const SwigluParams& p, float scale,
@@ -583,12 +582,12 @@ void CudaOps::route_experts(Tensor x, const Routing& r, Tensor gate_up, Tensor d
   const auto timer = timed(fmt::format("route + moe_experts ({} rows)", gate_up.dim(0)));
   MoeKernelParams m = moe_params(x, r.slot_ids, r.slot_weights, gate_up, down, p, scale, out);
   m.route = route_params(r.logits, r.bias, r.params, r.slot_ids, r.slot_weights);
-  launch_moe(m, stream_);
+  launch_moe(m, kernels_);
 }
 
 void CudaOps::gather_logit_rows(Tensor x, Tensor out) {
   const auto timer = timed("gather_logit_rows");
-  launch_gather_rows(bf16(x), logit_rows_, num_logit_rows_, int(x.dim(1)), bf16_mut(out), stream_);
+  launch_gather_rows(bf16(x), logit_rows_, num_logit_rows_, int(x.dim(1)), bf16_mut(out), kernels_);
 }
 
 void CudaOps::argmax(Tensor logits, Tensor ids, Tensor values) {
@@ -597,7 +596,7 @@ void CudaOps::argmax(Tensor logits, Tensor ids, Tensor values) {
   const size_t bytes = argmax_workspace_bytes(rows, vocab);
   Tensor scratch = alloc_typed(int64_t((bytes + 3) / 4), 1, DType::kI32);
   launch_argmax(logits.as<float>(), rows, vocab, ids.as<int32_t>(), values.empty() ? nullptr : values.as<float>(),
-                scratch.data, bytes, stream_);
+                scratch.data, bytes, kernels_);
 }
 
 void CudaOps::sample(Tensor logits, const SampleBatch& batch, Tensor ids) {

@@ -41,7 +41,7 @@ struct CudaOpsOptions {
   // Per-op GPU time, for finding where a step goes (--profile-ops). Steps then run eagerly (no
   // graph) and the totals per op are printed to stderr when the ops are destroyed.
   bool profile_ops = false;
-  // Programmatic dependent launch between the kernels of a step (kernel_utils.cuh); process-wide.
+  // Programmatic dependent launch between the kernels of a step (kernel_utils.cuh).
   bool pdl = true;
   // Linears of <= 8 tokens on the weight-streaming GEMV (gemv.cuh), which also runs several
   // projections of one input as one launch, and the MoE of a single token on its two GEMVs
@@ -56,6 +56,8 @@ class CudaOps final : public Ops {
   ~CudaOps() override;
 
   cudaStream_t stream() const { return stream_; }
+  // stream() with the PDL choice of the options: what this object's launches go to.
+  KernelStream kernel_stream() const { return kernels_; }
   // A layer's KV cache on the device (init_cache): for tests that check what a step stored.
   const KvCacheLayer& cache_layer(int layer) const { return cache_.at(size_t(layer)); }
   // Called first when the ops are destroyed (after the stream is drained, before it goes): whoever
@@ -108,6 +110,7 @@ class CudaOps final : public Ops {
   CudaReserve reserve_;
   std::function<void()> on_destroy_;
   cudaStream_t stream_ = nullptr;
+  KernelStream kernels_;  // stream_ and CudaOpsOptions::pdl
   Gemm gemm_;
   std::byte* arena_ = nullptr;
   size_t arena_used_ = 0;

@@ -259,40 +259,39 @@ __global__ void fill_random_kernel(FillRandomParams p, uint64_t stream_key) {
 
 }  // namespace
 
-void launch_embed(const EmbedParams& p, cudaStream_t stream) {
+void launch_embed(const EmbedParams& p, KernelStream on) {
   if (p.num_tokens <= 0 || p.hidden <= 0) return;
   check_arg(p.table && p.token_ids && p.out, "embed: table, token_ids and out must be set");
   const bool vec = p.hidden % 8 == 0 && aligned16(p.table) && aligned16(p.out);
   const int64_t items = int64_t(p.num_tokens) * (vec ? p.hidden / 8 : p.hidden);
-  launch_pdl(vec ? embed_kernel<true> : embed_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0, stream, true, p);
+  launch_pdl(vec ? embed_kernel<true> : embed_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0, on, p);
 }
 
-void launch_add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream) {
+void launch_add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, KernelStream on) {
   if (n <= 0) return;
   check_arg(x && y, "add_bf16: x and y must be set");
   const bool vec = n % 8 == 0 && aligned16(x) && aligned16(y);
   launch_pdl(vec ? add_bf16_kernel<true> : add_bf16_kernel<false>, dim3(grid_for(vec ? n / 8 : n)), dim3(kThreads), 0,
-             stream, true, x, y, n);
+             on, x, y, n);
 }
 
-void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream) {
+void launch_swiglu(const SwigluKernelParams& p, KernelStream on) {
   if (p.rows <= 0 || p.n <= 0) return;
   check_arg(p.gate_up && p.out, "swiglu: gate_up and out must be set");
   // Row starts are 16-byte aligned when n % 8 == 0 (gate_up rows are 4n bytes, out rows 2n).
   const bool vec = p.n % 8 == 0 && aligned16(p.gate_up) && aligned16(p.out);
   const int64_t items = int64_t(p.rows) * (vec ? p.n / 8 : p.n);
-  launch_pdl(vec ? swiglu_kernel<true> : swiglu_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0, stream, true,
-             p);
+  launch_pdl(vec ? swiglu_kernel<true> : swiglu_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0, on, p);
 }
 
 void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_rows, int cols, __nv_bfloat16* out,
-                        cudaStream_t stream) {
+                        KernelStream on) {
   if (num_rows <= 0 || cols <= 0) return;
   check_arg(x && rows && out, "gather_rows: x, rows and out must be set");
   const bool vec = cols % 8 == 0 && aligned16(x) && aligned16(out);
   const int64_t items = int64_t(num_rows) * (vec ? cols / 8 : cols);
-  launch_pdl(vec ? gather_rows_kernel<true> : gather_rows_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0,
-             stream, true, x, rows, num_rows, cols, out);
+  launch_pdl(vec ? gather_rows_kernel<true> : gather_rows_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0, on,
+             x, rows, num_rows, cols, out);
 }
 
 size_t argmax_workspace_bytes(int rows, int vocab) {
@@ -300,7 +299,7 @@ size_t argmax_workspace_bytes(int rows, int vocab) {
 }
 
 void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, float* values, void* workspace,
-                   size_t workspace_bytes, cudaStream_t stream) {
+                   size_t workspace_bytes, KernelStream on) {
   if (rows <= 0) return;
   check_arg(vocab > 0, "argmax: vocab must be positive");
   check_arg(logits && ids && workspace, "argmax: logits, ids and workspace must be set");
@@ -310,10 +309,10 @@ void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, float
   Best* partial = static_cast<Best*>(workspace);
   const dim3 grid{unsigned(chunks), unsigned(rows)};
   const bool vec = vocab % 4 == 0 && aligned16(logits);
-  launch_pdl(vec ? argmax_chunk_kernel<true> : argmax_chunk_kernel<false>, grid, dim3(kArgmaxThreads), 0, stream, true,
-             logits, vocab, partial);
-  launch_pdl(argmax_finish_kernel, dim3(unsigned(rows)), dim3(kArgmaxThreads), 0, stream, true,
-             static_cast<const Best*>(partial), chunks, vocab, ids, values);
+  launch_pdl(vec ? argmax_chunk_kernel<true> : argmax_chunk_kernel<false>, grid, dim3(kArgmaxThreads), 0, on, logits,
+             vocab, partial);
+  launch_pdl(argmax_finish_kernel, dim3(unsigned(rows)), dim3(kArgmaxThreads), 0, on, static_cast<const Best*>(partial),
+             chunks, vocab, ids, values);
 }
 
 void launch_fill_random(const FillRandomParams& p, cudaStream_t stream) {

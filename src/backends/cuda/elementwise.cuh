@@ -9,6 +9,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backends/cuda/kernel_stream.h"
+
 namespace tpmoe::cuda {
 
 // out[t, :] = table[token_ids[t], :] widened to fp32 (the residual stream). Bytes: T*H*(2+4).
@@ -22,10 +24,10 @@ struct EmbedParams {
   int hidden = 0;
   int vocab = 0;
 };
-void launch_embed(const EmbedParams& p, cudaStream_t stream);
+void launch_embed(const EmbedParams& p, KernelStream on);
 
 // y[i] += x[i] for n bf16 values (fp32 add, one rounding). Bytes: 3 * n * 2.
-void launch_add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, cudaStream_t stream);
+void launch_add_bf16(const __nv_bfloat16* x, __nv_bfloat16* y, int64_t n, KernelStream on);
 
 // SwiGLU-OAI (SPEC §1.6): gate_up[rows, 2n] (gate half, then up half) -> out[rows, n].
 struct SwigluKernelParams {
@@ -36,18 +38,18 @@ struct SwigluKernelParams {
   float alpha = 1.702f;
   float limit = 7.0f;
 };
-void launch_swiglu(const SwigluKernelParams& p, cudaStream_t stream);
+void launch_swiglu(const SwigluKernelParams& p, KernelStream on);
 
 // out[r, :] = x[rows[r], :] for r < num_rows (bf16, width cols).
 void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_rows, int cols, __nv_bfloat16* out,
-                        cudaStream_t stream);
+                        KernelStream on);
 
 // ids[r] = argmax_v logits[r, v] (fp32), first maximum on ties (as torch.argmax), and values[r] =
 // that maximum when values is not null. Two passes (blocks of 4096 logits, then their winners per
 // row) so a batch-1 row of 200k logits spreads over the GPU; the workspace holds the block winners.
 size_t argmax_workspace_bytes(int rows, int vocab);
 void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, float* values, void* workspace,
-                   size_t workspace_bytes, cudaStream_t stream);
+                   size_t workspace_bytes, KernelStream on);
 
 // Fills a rows x cols block with the presets' counter-based random numbers: element (r, c), written
 // at out[r * out_row_stride + c] as bf16 (fp32 when out_f32), is random_value(seed, key,

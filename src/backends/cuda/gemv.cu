@@ -250,24 +250,24 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
 }
 
 template <int M, bool kFp8>
-void launch_m(const GemvBatch& b, size_t smem, cudaStream_t stream) {
+void launch_m(const GemvBatch& b, size_t smem, KernelStream on) {
   auto kernel = gemv_kernel<M, kFp8>;
   if (smem > 48 * 1024)
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  launch_pdl(kernel, dim3(unsigned(b.block_begin[b.count])), dim3(kGemvWarps * kWarp), smem, stream, true, b);
+  launch_pdl(kernel, dim3(unsigned(b.block_begin[b.count])), dim3(kGemvWarps * kWarp), smem, on, b);
 }
 
 template <bool kFp8>
-void launch_format(int M, const GemvBatch& b, size_t smem, cudaStream_t stream) {
+void launch_format(int M, const GemvBatch& b, size_t smem, KernelStream on) {
   switch (M) {
-    case 1: launch_m<1, kFp8>(b, smem, stream); break;
-    case 2: launch_m<2, kFp8>(b, smem, stream); break;
-    case 3: launch_m<3, kFp8>(b, smem, stream); break;
-    case 4: launch_m<4, kFp8>(b, smem, stream); break;
-    case 5: launch_m<5, kFp8>(b, smem, stream); break;
-    case 6: launch_m<6, kFp8>(b, smem, stream); break;
-    case 7: launch_m<7, kFp8>(b, smem, stream); break;
-    default: launch_m<8, kFp8>(b, smem, stream); break;
+    case 1: launch_m<1, kFp8>(b, smem, on); break;
+    case 2: launch_m<2, kFp8>(b, smem, on); break;
+    case 3: launch_m<3, kFp8>(b, smem, on); break;
+    case 4: launch_m<4, kFp8>(b, smem, on); break;
+    case 5: launch_m<5, kFp8>(b, smem, on); break;
+    case 6: launch_m<6, kFp8>(b, smem, on); break;
+    case 7: launch_m<7, kFp8>(b, smem, on); break;
+    default: launch_m<8, kFp8>(b, smem, on); break;
   }
 }
 
@@ -319,7 +319,7 @@ bool gemv_norm_pays(const GemvParams& p) {
   return size_t(blocks) * per_block <= kNormInsideMaxBytes;
 }
 
-void launch_gemv(const GemvParams& p, cudaStream_t stream) {
+void launch_gemv(const GemvParams& p, KernelStream on) {
   check_arg(gemv_fits(p),
             "launch_gemv: operands it does not take (M in [1, 8], K % 16 (MXFP8: 32), 16-byte "
             "aligned x and weights, one weight format, at most 6 outputs; an input norm's partial, "
@@ -341,9 +341,9 @@ void launch_gemv(const GemvParams& p, cudaStream_t stream) {
   check_arg(lay_out_blocks(p, b) <= 0x7fffffff, "launch_gemv: too many weight rows for one launch");
   const size_t smem = kPartialBytes + size_t(p.M) * p.K * sizeof(uint16_t);
   if (p.outputs[0].w_scale != nullptr)
-    launch_format<true>(p.M, b, smem, stream);
+    launch_format<true>(p.M, b, smem, on);
   else
-    launch_format<false>(p.M, b, smem, stream);
+    launch_format<false>(p.M, b, smem, on);
 }
 
 }  // namespace tpmoe::cuda

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "backends/cuda/kernel_stream.h"
+
 namespace tpmoe::cuda {
 
 constexpr int kGemvMaxM = 8;
@@ -59,6 +61,6 @@ bool gemv_fits(const GemvParams& p);
 // stay under a few megabytes. False for the wide projections of a full-width model (1000+ blocks),
 // true for narrow ones (a router, a small model's layers).
 bool gemv_norm_pays(const GemvParams& p);
-void launch_gemv(const GemvParams& p, cudaStream_t stream);
+void launch_gemv(const GemvParams& p, KernelStream on);
 
 }  // namespace tpmoe::cuda

@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "backends/cuda/cuda_check.h"
-#include "backends/cuda/pdl.h"
+#include "backends/cuda/kernel_stream.h"
 
 namespace tpmoe::cuda {
 
@@ -37,21 +37,21 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
-// Launches `kernel` with the programmatic-stream-serialization attribute when `pdl` is set and PDL is
-// on (pdl.h), a plain launch otherwise; the kernel must keep the pdl_wait contract above either way.
+// Launches `kernel` on on.stream, with the programmatic-stream-serialization attribute when on.pdl
+// (kernel_stream.h), a plain launch otherwise; the kernel must keep the pdl_wait contract above
+// either way.
 template <class... KArgs, class... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool pdl,
-                Args&&... args) {
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, KernelStream on, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
+  cfg.stream = on.stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = pdl && programmatic_launch() ? 1 : 0;
+  cfg.numAttrs = on.pdl ? 1 : 0;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 

@@ -655,11 +655,11 @@ __global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t n, fl
 }
 
 template <bool kGateUp>
-void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, cudaStream_t stream, bool pdl) {
+void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, KernelStream on) {
   auto go = [&](auto kernel, int rows_per) {
     const dim3 grid(blocks, unsigned((rows_total + rows_per - 1) / rows_per));
     check_arg(grid.y <= 65535, "launch_moe: inter or hidden too large for the grid");
-    launch_pdl(kernel, grid, dim3(kGemmThreads), 0, stream, pdl, gp);
+    launch_pdl(kernel, grid, dim3(kGemmThreads), 0, on, gp);
   };
   const bool fp8 = gp.w_scale != nullptr;
   if (nt == 1)
@@ -694,18 +694,18 @@ void check_route(const RouteKernelParams& p, const std::string& who) {
 
 }  // namespace
 
-void launch_route(const RouteKernelParams& p, cudaStream_t stream) {
+void launch_route(const RouteKernelParams& p, KernelStream on) {
   check_route(p, "launch_route");
   if (p.num_tokens == 0) return;
   const int blocks = (p.num_tokens + kRouteWarps - 1) / kRouteWarps;
-  launch_pdl(route_kernel, dim3(unsigned(blocks)), dim3(kRouteWarps * 32), 0, stream, true, p);
+  launch_pdl(route_kernel, dim3(unsigned(blocks)), dim3(kRouteWarps * 32), 0, on, p);
 }
 
 size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int num_rows) {
   return workspace_layout(max_tokens, slots, hidden, inter, num_rows).total;
 }
 
-void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
+void launch_moe(const MoeKernelParams& p, KernelStream on) {
   check_arg(p.num_tokens >= 0 && p.slots >= 1 && p.hidden >= 1 && p.inter >= 1,
             "launch_moe: need num_tokens >= 0, slots >= 1, hidden >= 1, inter >= 1");
   check_arg(p.num_rows >= 1 && p.num_rows <= kMaxAlignRows, "launch_moe: num_rows must be in [1, 4096]");
@@ -740,10 +740,10 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
               "launch_moe: its routing must write this layer's slot ids and weights, for its tokens and slots");
   }
   if (p.tuning.single_token_gemv && moe_gemv_fits(p)) {
-    launch_moe_gemv(p, act, p.tuning.pdl, stream);  // routes inside its kernels when route_here
+    launch_moe_gemv(p, act, on.with_pdl(p.tuning.pdl));  // routes inside its kernels when route_here
     return;
   }
-  if (route_here) launch_route(p.route, stream);
+  if (route_here) launch_route(p.route, on);
 
   // Measured on an H200 (docs/PERF.md): 8-pair blocks are fastest up to 64 tokens, 16 at 128, 32
   // beyond; PDL gains ~3 us at small batches and loses up to 6% at 128+ tokens (I = 3072); the down
@@ -773,10 +773,11 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   ap.pairs = pairs;
   ap.num_rows = p.num_rows;
   ap.block_m = block_m;
-  launch_pdl(moe_align_kernel, dim3(1), dim3(kAlignThreads), size_t(2) * p.num_rows * sizeof(int32_t), stream, tune.pdl,
-             ap);
+  launch_pdl(moe_align_kernel, dim3(1), dim3(kAlignThreads), size_t(2) * p.num_rows * sizeof(int32_t),
+             on.with_pdl(tune.pdl), ap);
   if (batch_gemv) {
-    launch_moe_gemv_batch(p, {offsets, num_blocks, block_expert, block_start, perm}, block_m, act, tune.pdl, stream);
+    launch_moe_gemv_batch(p, {offsets, num_blocks, block_expert, block_start, perm}, block_m, act,
+                          on.with_pdl(tune.pdl));
     return;
   }
 
@@ -800,7 +801,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   gp.K = p.hidden;
   gp.rows = p.inter;
   gp.vec = p.hidden % 8 == 0 && aligned16(p.gate_up) && aligned16(p.x);
-  launch_gemm<true>(nt, gp, unsigned(blocks), p.inter, stream, tune.pdl);
+  launch_gemm<true>(nt, gp, unsigned(blocks), p.inter, on.with_pdl(tune.pdl));
 
   // down, times the slot weight: K = inter, rows = hidden.
   gp.w = p.down;
@@ -817,7 +818,7 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
     const int64_t per_row = std::min<int64_t>(int64_t(p.inter) * (fp8 ? 1 : 2), tune.down_prefetch_bytes / 32);
     gp.prefetch_row_bytes = int(per_row / 16 * 16);
   }
-  launch_gemm<false>(nt, gp, unsigned(blocks), p.hidden, stream, tune.pdl);
+  launch_gemm<false>(nt, gp, unsigned(blocks), p.hidden, on.with_pdl(tune.pdl));
 
   CombineParams cp;
   cp.y = y;
@@ -830,10 +831,11 @@ void launch_moe(const MoeKernelParams& p, cudaStream_t stream) {
   cp.scale = p.scale;
   const unsigned chunks = unsigned((p.hidden + kCombineThreads * kCombineVec - 1) / (kCombineThreads * kCombineVec));
   check_arg(chunks <= 65535, "launch_moe: hidden too large for the combine grid");
-  launch_pdl(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, stream, tune.pdl, cp);
+  launch_pdl(moe_combine_kernel, dim3(unsigned(p.num_tokens), chunks), dim3(kCombineThreads), 0, on.with_pdl(tune.pdl),
+             cp);
 }
 
-void launch_fp8_linear(const Fp8LinearParams& p, cudaStream_t stream) {
+void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on) {
   check_arg(p.M >= 0 && p.N >= 1 && p.K >= 1, "launch_fp8_linear: need M >= 0, N >= 1, K >= 1");
   check_fp8_operands(p.w, p.w_scale, p.K, "launch_fp8_linear");
   check_arg(p.out != static_cast<const void*>(p.x), "launch_fp8_linear: out must not alias x");
@@ -845,7 +847,7 @@ void launch_fp8_linear(const Fp8LinearParams& p, cudaStream_t stream) {
   gemv.outputs[0] = {p.w, p.w_scale, p.out, p.out_f32, p.N};
   gemv.count = 1;
   if (gemv_fits(gemv)) {
-    launch_gemv(gemv, stream);
+    launch_gemv(gemv, on);
     return;
   }
   // The token block as launch_moe picks it for the same number of (token, expert) pairs.
@@ -865,7 +867,7 @@ void launch_fp8_linear(const Fp8LinearParams& p, cudaStream_t stream) {
   else
     gp.out_bf16 = static_cast<uint16_t*>(p.out);
   const unsigned blocks = unsigned((p.M + block_m - 1) / block_m);
-  launch_gemm<false>(block_m / 8, gp, blocks, p.N, stream, false);
+  launch_gemm<false>(block_m / 8, gp, blocks, p.N, on.with_pdl(false));
 }
 
 void launch_scatter_add_weighted(const float* y, const int32_t* token, const float* w, int n, int hidden, float* acc,

@@ -14,6 +14,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backends/cuda/kernel_stream.h"
+
 namespace tpmoe::cuda {
 
 struct RouteKernelParams {
@@ -32,7 +34,7 @@ struct RouteKernelParams {
   const int32_t* num_real_tokens = nullptr;
 };
 // Ties in score + bias go to the lower expert id (as the CPU oracle).
-void launch_route(const RouteKernelParams& p, cudaStream_t stream);
+void launch_route(const RouteKernelParams& p, KernelStream on);
 
 // Knobs of launch_moe, for benchmarks and tests (the defaults are the measured best).
 // Every setting is deterministic and matches the CPU oracle; pdl and the prefetch do not change a
@@ -84,7 +86,7 @@ struct MoeKernelParams {
 };
 
 size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int num_rows);
-void launch_moe(const MoeKernelParams& p, cudaStream_t stream);
+void launch_moe(const MoeKernelParams& p, KernelStream on);
 
 // A linear with MXFP8 weights, out[M, N] = x[M, K] W[N, K]^T, W = e4m3(w) * 2^(w_scale - 127) per 32
 // consecutive k: the same grouped-GEMM kernel as the MoE down projection, run as one expert that
@@ -99,7 +101,7 @@ struct Fp8LinearParams {
   bool out_f32 = false;
   int M = 0, N = 0, K = 0;
 };
-void launch_fp8_linear(const Fp8LinearParams& p, cudaStream_t stream);
+void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on);
 
 // Helpers for the per-expert cuBLAS baseline of bench/bench_moe (not used by the engine):
 // acc[token[r], :] += w[r] * y[r, :] for r < n (fp32 atomics), and out = bf16(scale * in).

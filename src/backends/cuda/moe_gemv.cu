@@ -576,23 +576,23 @@ int resident_grid(int sms) {
 }
 
 template <bool kFp8, int kSplit>
-void launch_kernels(const MoeGemvParams& g, int sms, bool pdl, cudaStream_t stream) {
+void launch_kernels(const MoeGemvParams& g, int sms, KernelStream on) {
   constexpr auto gate_up = &moe_gate_up_gemv_kernel<kFp8, kGateLoads, kSplit>;
   constexpr auto down = &moe_down_gemv_kernel<kFp8, kDownRows, kDownLoads>;
   const int gate_up_work = int((int64_t(g.slots) * g.inter * kSplit + kWarps - 1) / kWarps);
   const int down_work = (g.hidden + kDownRows * kWarps - 1) / (kDownRows * kWarps);
   const int gate_up_grid = std::min(gate_up_work, resident_grid<gate_up>(sms));
-  launch_pdl(gate_up, dim3(unsigned(gate_up_grid)), dim3(kWarps * kWarp), 0, stream, pdl, g);
+  launch_pdl(gate_up, dim3(unsigned(gate_up_grid)), dim3(kWarps * kWarp), 0, on, g);
   const int groups = (g.hidden + kDownRows - 1) / kDownRows;
   if (groups < kSlotSplitGroupsPerSm * sms) {
     // Few row groups: a block each (all resident at once), its warps splitting the slots.
     const int warps = std::min(g.slots, kMaxSlotWarps);
     launch_pdl(moe_down_slots_gemv_kernel<kFp8, kDownRows, kDownLoads>, dim3(unsigned(groups)),
-               dim3(unsigned(warps * kWarp)), 0, stream, pdl, g);
+               dim3(unsigned(warps * kWarp)), 0, on, g);
     return;
   }
   const int down_grid = std::min(down_work, resident_grid<down>(sms));
-  launch_pdl(down, dim3(unsigned(down_grid)), dim3(kWarps * kWarp), 0, stream, pdl, g);
+  launch_pdl(down, dim3(unsigned(down_grid)), dim3(kWarps * kWarp), 0, on, g);
 }
 
 // Warps per gate_up item: split k (by powers of two, each warp keeping at least two steps) until
@@ -609,43 +609,42 @@ int choose_split(const MoeGemvParams& g, int sms) {
 }
 
 template <bool kFp8>
-void launch_format(const MoeGemvParams& g, int sms, bool pdl, cudaStream_t stream) {
+void launch_format(const MoeGemvParams& g, int sms, KernelStream on) {
   switch (choose_split<kFp8>(g, sms)) {
-    case 4: launch_kernels<kFp8, 4>(g, sms, pdl, stream); break;
-    case 2: launch_kernels<kFp8, 2>(g, sms, pdl, stream); break;
-    default: launch_kernels<kFp8, 1>(g, sms, pdl, stream); break;
+    case 4: launch_kernels<kFp8, 4>(g, sms, on); break;
+    case 2: launch_kernels<kFp8, 2>(g, sms, on); break;
+    default: launch_kernels<kFp8, 1>(g, sms, on); break;
   }
 }
 
 template <auto kDown, int kRows>
-void launch_batch_down(const MoeBatchParams& bp, int sms, bool pdl, cudaStream_t stream) {
+void launch_batch_down(const MoeBatchParams& bp, int sms, KernelStream on) {
   const int down_work = (bp.g.hidden + kRows * kWarps - 1) / (kRows * kWarps);
-  launch_pdl(kDown, dim3(unsigned(std::min(down_work, resident_grid<kDown>(sms)))), dim3(kWarps * kWarp), 0, stream,
-             pdl, bp);
+  launch_pdl(kDown, dim3(unsigned(std::min(down_work, resident_grid<kDown>(sms)))), dim3(kWarps * kWarp), 0, on, bp);
 }
 
 template <bool kFp8, int kSplit>
-void launch_batch_kernels(const MoeBatchParams& bp, int sms, bool pdl, cudaStream_t stream) {
+void launch_batch_kernels(const MoeBatchParams& bp, int sms, KernelStream on) {
   constexpr auto gate_up = &moe_gate_up_batch_kernel<kFp8, kGateLoads, kSplit>;
   // The blocks are known on the device only: size gate_up for the most there can be.
   const int64_t most_blocks = std::min<int64_t>(int64_t(bp.num_tokens) * bp.g.slots, kMaxBatchBlocks);
   const int gate_up_work = int((most_blocks * bp.g.inter * kSplit + kWarps - 1) / kWarps);
-  launch_pdl(gate_up, dim3(unsigned(std::min(gate_up_work, resident_grid<gate_up>(sms)))), dim3(kWarps * kWarp), 0,
-             stream, pdl, bp);
+  launch_pdl(gate_up, dim3(unsigned(std::min(gate_up_work, resident_grid<gate_up>(sms)))), dim3(kWarps * kWarp), 0, on,
+             bp);
   // Rows and loads as the single-token walk: measured on an H200 against 2 rows x 2 or 4 loads and
   // 1 row x 4 loads a warp (docs/PERF.md, "A few tokens' MoE on the GEMVs"), the fastest for MXFP8.
-  launch_batch_down<&moe_down_batch_kernel<kFp8, kDownRows, kDownLoads>, kDownRows>(bp, sms, pdl, stream);
+  launch_batch_down<&moe_down_batch_kernel<kFp8, kDownRows, kDownLoads>, kDownRows>(bp, sms, on);
 }
 
 template <bool kFp8>
-void launch_batch_format(const MoeBatchParams& bp, int sms, bool pdl, cudaStream_t stream) {
+void launch_batch_format(const MoeBatchParams& bp, int sms, KernelStream on) {
   // The k split as for one token, over the distinct rows there are at most.
   MoeGemvParams g = bp.g;
   g.slots = int(std::min<int64_t>(int64_t(bp.num_tokens) * bp.g.slots, bp.g.num_rows));
   switch (choose_split<kFp8>(g, sms)) {
-    case 4: launch_batch_kernels<kFp8, 4>(bp, sms, pdl, stream); break;
-    case 2: launch_batch_kernels<kFp8, 2>(bp, sms, pdl, stream); break;
-    default: launch_batch_kernels<kFp8, 1>(bp, sms, pdl, stream); break;
+    case 4: launch_batch_kernels<kFp8, 4>(bp, sms, on); break;
+    case 2: launch_batch_kernels<kFp8, 2>(bp, sms, on); break;
+    default: launch_batch_kernels<kFp8, 1>(bp, sms, on); break;
   }
 }
 
@@ -690,19 +689,18 @@ bool moe_gemv_batch_fits(const MoeKernelParams& p) {
          int64_t(kMaxBatchBlocks) * p.inter * kWarps <= 0x7fffffff && gemv_operands_fit(p);
 }
 
-void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStream_t stream) {
+void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, KernelStream on) {
   check_arg(moe_gemv_fits(p), "launch_moe_gemv: operands the single-token path does not take");
   check_arg(aligned16(act), "launch_moe_gemv: act must be 16-byte aligned");
   const MoeGemvParams g = gemv_params(p, act);
   const int sms = sm_count();  // the current device's, asked once a launch
   if (p.gate_up_scale != nullptr)
-    launch_format<true>(g, sms, pdl, stream);
+    launch_format<true>(g, sms, on);
   else
-    launch_format<false>(g, sms, pdl, stream);
+    launch_format<false>(g, sms, on);
 }
 
-void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, int block_m, uint16_t* act, bool pdl,
-                           cudaStream_t stream) {
+void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, int block_m, uint16_t* act, KernelStream on) {
   check_arg(moe_gemv_batch_fits(p), "launch_moe_gemv_batch: operands the few-token path does not take");
   check_arg(aligned16(act), "launch_moe_gemv_batch: act must be 16-byte aligned");
   check_arg(bins.offsets && bins.num_blocks && bins.block_expert && bins.block_start && bins.perm,
@@ -716,9 +714,9 @@ void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, int bl
   bp.num_tokens = p.num_tokens;
   const int sms = sm_count();
   if (p.gate_up_scale != nullptr)
-    launch_batch_format<true>(bp, sms, pdl, stream);
+    launch_batch_format<true>(bp, sms, on);
   else
-    launch_batch_format<false>(bp, sms, pdl, stream);
+    launch_batch_format<false>(bp, sms, on);
 }
 
 }  // namespace tpmoe::cuda

@@ -44,7 +44,7 @@ namespace tpmoe::cuda {
 // already required) and 16-byte aligned x and weights.
 bool moe_gemv_fits(const MoeKernelParams& p);
 // act: [slots, inter] bf16 scratch (the workspace's act region).
-void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, bool pdl, cudaStream_t stream);
+void launch_moe_gemv(const MoeKernelParams& p, uint16_t* act, KernelStream on);
 
 // The token block of the alignment the few-token GEMVs read: 8 pairs, so each expert row that at most
 // 8 tokens chose is one block.
@@ -65,7 +65,6 @@ bool moe_gemv_batch_fits(const MoeKernelParams& p);
 // After routing and an alignment into blocks of block_m pairs on the same stream (block_m must be
 // kMoeGemvBlockPairs: the kernels read at most that many pairs a block). act: [pairs, inter] bf16
 // scratch in the alignment's sorted order (the workspace's act region).
-void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, int block_m, uint16_t* act, bool pdl,
-                           cudaStream_t stream);
+void launch_moe_gemv_batch(const MoeKernelParams& p, const MoeBins& bins, int block_m, uint16_t* act, KernelStream on);
 
 }  // namespace tpmoe::cuda

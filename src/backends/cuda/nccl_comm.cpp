@@ -124,7 +124,7 @@ NcclCommunicator::NcclCommunicator(const ncclUniqueId& id, int nranks, int rank,
 
 NcclCommunicator::~NcclCommunicator() {
   cudaSetDevice(device_);
-  if (stream_) cudaStreamSynchronize(stream_);
+  if (kernels_.stream) cudaStreamSynchronize(kernels_.stream);
   if (dev_comm_) ncclDevCommDestroy(comm_, dev_comm_.get());
   if (window_) ncclCommWindowDeregister(comm_, window_);
   if (window_memory_) ncclMemFree(window_memory_);
@@ -132,7 +132,7 @@ NcclCommunicator::~NcclCommunicator() {
 }
 
 void NcclCommunicator::all_reduce_bf16(__nv_bfloat16* data, size_t count) {
-  NCCL_CHECK(ncclAllReduce(data, data, count, ncclBfloat16, ncclSum, comm_, stream_));
+  NCCL_CHECK(ncclAllReduce(data, data, count, ncclBfloat16, ncclSum, comm_, kernels_.stream));
 }
 
 void NcclCommunicator::all_reduce(Tensor data) {
@@ -143,7 +143,7 @@ void NcclCommunicator::all_reduce(Tensor data) {
 void NcclCommunicator::all_gather(Tensor local, Tensor gathered) {
   TPMOE_CHECK(gathered.nbytes() == local.nbytes() * size_t(nranks_),
               "NCCL all_gather: {} bytes for {} ranks of {} bytes", gathered.nbytes(), nranks_, local.nbytes());
-  NCCL_CHECK(ncclAllGather(local.data, gathered.data, local.nbytes(), ncclInt8, comm_, stream_));
+  NCCL_CHECK(ncclAllGather(local.data, gathered.data, local.nbytes(), ncclInt8, comm_, kernels_.stream));
 }
 
 AllreducePath NcclCommunicator::choose(int tokens, int hidden) const {
@@ -175,13 +175,13 @@ void NcclCommunicator::allreduce_add_rmsnorm(const AddRmsNormParams& p, Allreduc
   if (path == AllreducePath::kNccl) {
     auto* partial = const_cast<__nv_bfloat16*>(p.partial);
     all_reduce_bf16(partial, size_t(p.rows) * size_t(p.hidden));
-    launch_add_rmsnorm(p, stream_);
+    launch_add_rmsnorm(p, kernels_);
     return;
   }
   const AllreduceAlgo algo = path == AllreducePath::kPush      ? AllreduceAlgo::kPush
                              : path == AllreducePath::kOneShot ? AllreduceAlgo::kOneShot
                                                                : AllreduceAlgo::kTwoShot;
-  launch_allreduce_norm_nccl(f, algo, window_, *dev_comm_, stream_);
+  launch_allreduce_norm_nccl(f, algo, window_, *dev_comm_, kernels_);
 }
 
 void NcclCommunicator::allreduce_add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor y) {

@@ -70,9 +70,10 @@ class NcclCommunicator final : public Communicator {
 
   int rank() const override { return rank_; }
   int size() const override { return nranks_; }
-  // The stream collectives are enqueued on (the CudaOps stream of the current request).
-  void set_stream(cudaStream_t stream) { stream_ = stream; }
-  cudaStream_t stream() const { return stream_; }
+  // The stream collectives are enqueued on (the CudaOps stream of the current request, with its PDL
+  // choice for the fused kernels).
+  void set_stream(KernelStream on) { kernels_ = on; }
+  cudaStream_t stream() const { return kernels_.stream; }
 
   void all_reduce(Tensor data) override;
   void all_gather(Tensor local, Tensor gathered) override;
@@ -96,7 +97,7 @@ class NcclCommunicator final : public Communicator {
   WindowLayout layout_;
   AllreduceThresholds thresholds_;
   AllreducePath forced_ = AllreducePath::kAuto;
-  cudaStream_t stream_ = nullptr;
+  KernelStream kernels_;
   ncclComm_t comm_ = nullptr;
   void* window_memory_ = nullptr;
   ncclWindow_t window_ = nullptr;

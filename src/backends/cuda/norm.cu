@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kern
 
 }  // namespace
 
-void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream) {
+void launch_add_rmsnorm(const AddRmsNormParams& p, KernelStream on) {
   if (p.rows <= 0 || p.hidden <= 0) return;
   check_arg(p.residual && p.weight && p.out, "add_rmsnorm: residual, weight and out must be set");
   const bool vec = p.hidden % 8 == 0 && aligned16(p.residual) && aligned16(p.weight) && aligned16(p.out) &&
@@ -197,14 +197,12 @@ void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream) {
   // sums a row in that shape too); the scalar one a thread per element, up to the same limit.
   const int threads = vec ? norm_threads(p.hidden) : std::min((p.hidden + kWarp - 1) / kWarp * kWarp, kMaxNormThreads);
   launch_pdl(vec ? add_rmsnorm_kernel<true> : add_rmsnorm_kernel<false>, dim3(unsigned(p.rows)),
-             dim3(unsigned(threads)), 0, stream, true, p);
+             dim3(unsigned(threads)), 0, on, p);
 }
 
-void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream) {
-  launch_head_norm_rope_batch(&p, 1, stream);
-}
+void launch_head_norm_rope(const HeadNormRopeParams& p, KernelStream on) { launch_head_norm_rope_batch(&p, 1, on); }
 
-void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cudaStream_t stream,
+void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, KernelStream on,
                                  const CacheRowStore& store) {
   check_arg(count >= 0 && count <= kMaxHeadNormRopeItems, "head_norm_rope: at most 4 tensors in one launch");
   HeadNormRopeBatch batch;
@@ -235,7 +233,7 @@ void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cud
   if (batch.count == 0) return;
   const int64_t blocks = batch.block_begin[batch.count];
   check_arg(blocks <= 0x7fffffff, "head_norm_rope: too many (token, head) pairs for one launch");
-  launch_pdl(head_norm_rope_kernel, dim3(unsigned(blocks)), dim3(kRopeWarpsPerBlock * kWarp), 0, stream, true, batch);
+  launch_pdl(head_norm_rope_kernel, dim3(unsigned(blocks)), dim3(kRopeWarpsPerBlock * kWarp), 0, on, batch);
 }
 
 }  // namespace tpmoe::cuda

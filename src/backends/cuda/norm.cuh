@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "backends/cuda/kernel_stream.h"
 #include "backends/cuda/kv_cache.cuh"
 
 namespace tpmoe::cuda {
@@ -28,7 +29,7 @@ struct AddRmsNormParams {
   int hidden = 0;
   float eps = 1e-6f;
 };
-void launch_add_rmsnorm(const AddRmsNormParams& p, cudaStream_t stream);
+void launch_add_rmsnorm(const AddRmsNormParams& p, KernelStream on);
 
 struct HeadNormRopeParams {
   __nv_bfloat16* x = nullptr;          // [num_tokens, num_heads * head_dim], in place
@@ -50,7 +51,7 @@ struct HeadNormRopeParams {
   const __nv_bfloat16* copy = nullptr;
   __nv_bfloat16* copy_cache = nullptr;
 };
-void launch_head_norm_rope(const HeadNormRopeParams& p, cudaStream_t stream);
+void launch_head_norm_rope(const HeadNormRopeParams& p, KernelStream on);
 
 // The page addressing of a launch whose items store into the paged KV cache (kv_cache.cuh).
 struct CacheRowStore {
@@ -62,7 +63,7 @@ struct CacheRowStore {
 // per-head arithmetic as one launch each, so the results are bitwise those; the cache rows items
 // store hold exactly the bf16 values written back to x (or copied from `copy`).
 constexpr int kMaxHeadNormRopeItems = 4;
-void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, cudaStream_t stream,
+void launch_head_norm_rope_batch(const HeadNormRopeParams* items, int count, KernelStream on,
                                  const CacheRowStore& store = {});
 
 }  // namespace tpmoe::cuda
