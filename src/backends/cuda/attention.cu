@@ -644,23 +644,24 @@ int choose_key_groups(int planned_splits, int heads) {
   return std::max(1, std::min({planned_splits, kMaxBlockWarps / heads, by_smem, by_reads}));
 }
 
+// Sets the splits that run - the plan's chunks, G of them a block (choose_key_groups), spread evenly
+// - and their partials in `partials` (the workspace past the kept blocks, sized for the plan's
+// splits, never fewer), then launches the split kernel.
 template <int HD>
-void launch_split(const SplitArgs& args, int num_tokens, KernelStream on) {
-  const dim3 grid(unsigned(num_tokens), unsigned(args.num_kv_heads * args.head_chunks), unsigned(args.num_splits));
-  const size_t smem = SplitSmem<HD>::bytes(args.heads, args.key_groups);
+void launch_split(const SplitPlan& plan, unsigned char* partials, int num_tokens, SplitArgs& a, KernelStream on) {
+  const int most = choose_key_groups<HD>(plan.num_splits, a.heads);
+  a.num_splits = int(ceil_div(plan.num_splits, most));
+  a.key_groups = int(ceil_div(plan.num_splits, a.num_splits));
+  a.chunk = plan.chunk * a.key_groups;
+  const size_t rows = size_t(num_tokens) * a.num_q_heads * a.num_splits;
+  a.ml = a.num_splits > 1 ? reinterpret_cast<float2*>(partials) : nullptr;
+  a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(partials + align_up(rows * sizeof(float2))) : nullptr;
+  const dim3 grid(unsigned(num_tokens), unsigned(a.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
+  const size_t smem = SplitSmem<HD>::bytes(a.heads, a.key_groups);
   if (smem > 48 * 1024)
     CUDA_CHECK(
         cudaFuncSetAttribute(attention_split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  launch_pdl(attention_split_kernel<HD>, grid, dim3(unsigned(args.heads * args.key_groups * kWarp)), smem, on, args);
-}
-
-// The splits that run: the plan's chunks, G of them a block (choose_key_groups).
-template <int HD>
-void plan_key_groups(const SplitPlan& plan, SplitArgs& a) {
-  const int most = choose_key_groups<HD>(plan.num_splits, a.heads);
-  a.num_splits = int(ceil_div(plan.num_splits, most));
-  a.key_groups = int(ceil_div(plan.num_splits, a.num_splits));  // the plan's chunks spread evenly
-  a.chunk = plan.chunk * a.key_groups;
+  launch_pdl(attention_split_kernel<HD>, grid, dim3(unsigned(a.heads * a.key_groups * kWarp)), smem, on, a);
 }
 
 }  // namespace
@@ -804,23 +805,12 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   a.topk = sparse ? p.topk_blocks : 0;
   a.scale_log2 = p.scale * 1.4426950408889634f;
   a.heads = std::min(group, kMaxWarps);
-  switch (p.head_dim) {
-    case 32: plan_key_groups<32>(plan, a); break;
-    case 64: plan_key_groups<64>(plan, a); break;
-    case 128: plan_key_groups<128>(plan, a); break;
-    case 256: plan_key_groups<256>(plan, a); break;
-    default: check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim));
-  }
   a.out = p.out;
-  // The partials of a.num_splits <= plan.num_splits splits: within the workspace sized for the plan.
-  const size_t rows = size_t(T) * p.num_q_heads * a.num_splits;
-  a.ml = a.num_splits > 1 ? reinterpret_cast<float2*>(ws + kept_region) : nullptr;
-  a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(ws + kept_region + align_up(rows * sizeof(float2))) : nullptr;
   switch (p.head_dim) {
-    case 32: launch_split<32>(a, T, on); break;
-    case 64: launch_split<64>(a, T, on); break;
-    case 128: launch_split<128>(a, T, on); break;
-    case 256: launch_split<256>(a, T, on); break;
+    case 32: launch_split<32>(plan, ws + kept_region, T, a, on); break;
+    case 64: launch_split<64>(plan, ws + kept_region, T, a, on); break;
+    case 128: launch_split<128>(plan, ws + kept_region, T, a, on); break;
+    case 256: launch_split<256>(plan, ws + kept_region, T, a, on); break;
     default: check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim));
   }
 
