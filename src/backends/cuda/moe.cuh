@@ -40,7 +40,7 @@ void launch_route(const RouteKernelParams& p, KernelStream on);
 // Every setting is deterministic and matches the CPU oracle; pdl and the prefetch do not change a
 // bit, block_m changes the k order of the sums (each output is one CTA's fixed-order reduction).
 struct MoeTuning {
-  bool pdl = true;  // programmatic dependent launch between the kernels
+  bool pdl = true;  // programmatic dependent launch between the kernels (where the KernelStream allows it)
   int block_m = 0;  // pairs per token block: 8, 16 or 32; 0 = from num_tokens (<= 64: 8, <= 128: 16, else 32)
   int down_prefetch_bytes = 65536;  // per down CTA, weights prefetched into L2 before its wait; 0 = off
   // Apply pdl only up to 64 tokens, the prefetch only at 1 token and the few-token GEMVs only to
