@@ -2,8 +2,11 @@
 // shared expert fused as row 128, against (a) the unfused layout (routed experts through launch_moe,
 // the shared expert as its own cuBLASLt MLP, added after) and (b) a straightforward baseline
 // (per-expert cuBLASLt GEMMs: gather, gate_up, SwiGLU, down, weighted scatter-add, host loop over the
-// experts the routing touched). Everything is timed as a replayed CUDA graph with a cold L2 (a
-// 256 MiB memset between replays, not timed): median of the replays.
+// experts the routing touched). Everything is timed as a replayed CUDA graph with a cold L2, median of
+// the replays. The L2 is flushed between replays (not timed) by reading a 256 MiB buffer, which
+// leaves it full of clean lines, as a decode step finds it (the previous layer's weights). A memset
+// flush (--flush memset, the usual one) leaves it full of dirty lines instead, whose write-back then
+// runs inside the timed replay and competes with its reads (docs/PERF.md measures how much).
 //
 // Floor = (distinct expert rows touched, shared included) * 3*I*H*2 bytes + activations (x in,
 // out, router logits), over the read-only bandwidth measured at the start of the run (bandwidth.cu).
@@ -17,6 +20,7 @@
 // distinct row. The unfused and cuBLASLt baselines are bf16-only and are not run.
 //
 //   bench_moe [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8] [--inter 3072|384] [--batch N]
+//             [--flush read|memset]
 // (--inter, --batch: only that width or batch of the table, e.g. under a profiler)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -72,11 +76,22 @@ T* dalloc(size_t n) {
   return static_cast<T*>(p);
 }
 
+// How the L2 is emptied before each timed replay (see the top of the file).
+enum class Flush { kRead, kMemset };
+
 struct Timer {
   cudaStream_t stream;
   void* flush;
+  uint32_t* sink;  // launch_read_stream's
+  Flush how;
   int reps;
-  // Median microseconds of `reps` replays of a graph, each after an L2-flushing memset.
+  void flush_l2(int r) {
+    if (how == Flush::kRead)
+      tpmoe::cuda::launch_read_stream(flush, kFlushBytes, sink, stream);
+    else
+      CUDA_CHECK(cudaMemsetAsync(flush, r & 0xff, kFlushBytes, stream));
+  }
+  // Median microseconds of `reps` replays of a graph, each after an L2 flush.
   double time(const std::function<void(cudaStream_t)>& body) {
     body(stream);  // warm-up (also builds cuBLASLt plans outside the capture)
     CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -90,7 +105,7 @@ struct Timer {
     for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
     CUDA_CHECK(cudaGraphLaunch(exec, stream));
     for (int r = 0; r < reps; ++r) {
-      CUDA_CHECK(cudaMemsetAsync(flush, r & 0xff, kFlushBytes, stream));
+      flush_l2(r);
       CUDA_CHECK(cudaEventRecord(ev[2 * r], stream));
       CUDA_CHECK(cudaGraphLaunch(exec, stream));
       CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], stream));
@@ -117,6 +132,7 @@ int main(int argc, char** argv) {
   int reps = 25;
   bool ablate = false;
   bool mxfp8 = false;
+  Flush flush_how = Flush::kRead;
   int only_inter = 0, only_batch = 0;  // 0: every width / batch of the table
   for (int i = 1; i < argc; ++i) {
     if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
@@ -133,10 +149,15 @@ int main(int argc, char** argv) {
       mxfp8 = (++i, true);
     else if (!std::strcmp(argv[i], "--dtype") && i + 1 < argc && !std::strcmp(argv[i + 1], "bf16"))
       ++i;
+    else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc && !std::strcmp(argv[i + 1], "read"))
+      ++i;
+    else if (!std::strcmp(argv[i], "--flush") && i + 1 < argc && !std::strcmp(argv[i + 1], "memset"))
+      flush_how = (++i, Flush::kMemset);
     else {
-      std::fprintf(
-          stderr, "usage: %s [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8] [--inter 3072|384] [--batch N]\n",
-          argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--json PATH] [--reps N] [--ablate] [--dtype bf16|mxfp8] [--inter 3072|384] [--batch N] "
+                   "[--flush read|memset]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -152,14 +173,15 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     std::printf(
         "device: %s (%d SMs), read bandwidth %.1f GB/s (read-only stream: the floor's ceiling), D2D copy %.1f "
-        "GB/s (read + write); expert weights %s\n",
-        prop.name, prop.multiProcessorCount, bw / 1e9, copy_bw / 1e9, mxfp8 ? "MXFP8" : "bf16");
+        "GB/s (read + write); expert weights %s; L2 flushed by %s\n",
+        prop.name, prop.multiProcessorCount, bw / 1e9, copy_bw / 1e9, mxfp8 ? "MXFP8" : "bf16",
+        flush_how == Flush::kRead ? "a 256 MiB read (clean lines)" : "a 256 MiB memset (dirty lines)");
 
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     void* flush = dalloc<uint8_t>(kFlushBytes);
     auto* sink = dalloc<uint32_t>(tpmoe::cuda::read_stream_sink_words());
-    Timer timer{stream, flush, reps};
+    Timer timer{stream, flush, sink, flush_how, reps};
     Gemm gemm;
     const tpmoe::cuda::MoeTuning defaults;
 
@@ -394,6 +416,7 @@ int main(int argc, char** argv) {
       nlohmann::json doc = {{"device", prop.name},
                             {"read_bandwidth_bytes_per_s", bw},
                             {"copy_bandwidth_bytes_per_s", copy_bw},
+                            {"l2_flush", flush_how == Flush::kRead ? "read" : "memset"},
                             {"rows", rows}};
       std::ofstream(json_path) << doc.dump(2) << "\n";
     }
