@@ -74,12 +74,16 @@ std::vector<float> linear_cpu(const std::vector<float>& x, const std::vector<flo
   return out;
 }
 
-std::vector<float> linear_gpu(const std::vector<float>& x, const Mx& w, int M, int N, int K, bool out_f32) {
+// w_offset: bytes before the weights in their buffer (8: 8- but not 16-byte aligned weights).
+std::vector<float> linear_gpu(const std::vector<float>& x, const Mx& w, int M, int N, int K, bool out_f32,
+                              size_t w_offset = 0) {
   DeviceBuffer<__nv_bfloat16> dx(to_bf16(x));
-  DeviceBuffer<uint8_t> dq(w.q), ds(w.s);
+  std::vector<uint8_t> q(w_offset, 0);
+  q.insert(q.end(), w.q.begin(), w.q.end());
+  DeviceBuffer<uint8_t> dq(q), ds(w.s);
   cuda::Fp8LinearParams p;
   p.x = dx.get();
-  p.w = dq.get();
+  p.w = dq.get() + w_offset;
   p.w_scale = ds.get();
   p.M = M, p.N = N, p.K = K;
   p.out_f32 = out_f32;
@@ -124,6 +128,18 @@ TEST(CudaMxfp8Linear, MatchesOracleAtAwkwardShapes) {
       expect_close(linear_gpu(x, w, s.M, s.N, s.K, f32), want, f32 ? 1e-5 : kTolBf16, what);
     }
   }
+}
+
+// Weights 8- but not 16-byte aligned (a view into a larger buffer): the grouped GEMM reads each
+// lane's 16 bytes as two 8-byte loads instead of one 16-byte load; same values.
+TEST(CudaMxfp8Linear, ReadsWeightsThatAreOnlyEightByteAligned) {
+  TPMOE_REQUIRE_GPU();
+  const int M = 100, N = 72, K = 416;  // the grouped GEMM; K ends in half a 64-wide chunk
+  const std::vector<float> x = round_bf16(random_floats(size_t(M) * K, 1.f, 29));
+  const Mx w = random_mx({N, K}, 0.02f, 31);
+  const std::vector<float> aligned = linear_gpu(x, w, M, N, K, true);
+  expect_close(aligned, linear_cpu(x, w.value, M, N, K), 1e-5, "16-byte aligned weights");
+  EXPECT_EQ(linear_gpu(x, w, M, N, K, true, 8), aligned) << "8-byte aligned weights";
 }
 
 // One-hot activations make out[m, n] = W[n, m] exactly: every e4m3 byte (NaN excepted) under every

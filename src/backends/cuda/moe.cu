@@ -59,11 +59,13 @@
 // is NaN (a kernel cannot throw).
 //
 // MXFP8 weights (weight-only FP8, SPEC §3): the same kernels, templated on the weight format. Each lane
-// loads its 8 weights of a 32-wide k chunk as 8 e4m3 bytes (8-byte loads) and the chunk's E8M0 scale
-// (4 chunks' scales in one 32-bit load when K/32 % 4 == 0), and widens them to bf16 in registers right
-// before the mma (dequant_e4m3x8: a bit shuffle and one bf16 multiply by 2^(s-7), exact); the scale
-// block is exactly the lane's k chunk. Decode bytes per active row: 3*I*H*(1 + 1/32). The same GEMM
-// also serves the MXFP8 linears (launch_fp8_linear: one expert, tokens in order, no routing).
+// loads its 16 weights of a 64-wide k chunk as 16 e4m3 bytes (one 16-byte load, as a bf16 lane loads
+// 8 weights: with 8-byte loads a warp's load held 32 bytes of each row and the layer ran 4-12% slower
+// at 8-256 tokens, docs/PERF.md) and their E8M0 scale (the 16 lie in one 32-wide block; 2 chunks'
+// scales in one 32-bit load when K/32 % 4 == 0), and widens them to bf16 in registers right before
+// the mma (dequant_e4m3x8: a bit shuffle and one bf16 multiply by 2^(s-7), exact). Decode bytes per
+// active row: 3*I*H*(1 + 1/32). The same GEMM also serves the MXFP8 linears (launch_fp8_linear: one
+// expert, tokens in order, no routing).
 //
 // Measured on an H200: see docs/PERF.md, "MoE layer (bench/bench_moe)" (the whole layer, routing
 // included, as CUDA graphs with a cold L2, against the measured copy bandwidth). Before this
@@ -271,35 +273,33 @@ template <>
 struct GemmShape<false, false, 4> {
   static constexpr int MT = 2, U = 2;
 };
-// MXFP8 weights: the same tiles; U as large as fits the registers of the bf16 kernel's occupancy
-// without spilling (measured with -Xptxas -v: U = 12 for the bm = 8 gate_up and U = 8 for the bm = 8
-// down spill). With U a multiple of 4 a lane reads the scales of 4 chunks as one 32-bit word.
-// Tried and measured slower on an H200 (bench_moe --dtype mxfp8, commit f8b6f26): reading each
-// chunk's activations right before its mma to free registers for U = 16 / 8 (T = 1: 168 us against
-// 135 us here; T = 8: 686 against 583).
+// MXFP8 weights: the same tiles, U counted in 64-wide k chunks (a lane's 16 e4m3 of a row in one
+// 16-byte load; see moe_gemm_kernel), so the same U holds twice the bf16 kernel's k a step in the
+// same weight registers, and twice the activation registers. U even: a lane reads the scales of 2
+// chunks as one 32-bit word.
 template <>
 struct GemmShape<true, true, 1> {
-  static constexpr int MT = 1, U = 8;
+  static constexpr int MT = 1, U = 4;
 };
 template <>
 struct GemmShape<true, true, 2> {
-  static constexpr int MT = 1, U = 8;
+  static constexpr int MT = 1, U = 4;
 };
 template <>
 struct GemmShape<true, true, 4> {
-  static constexpr int MT = 2, U = 2;
+  static constexpr int MT = 2, U = 1;
 };
 template <>
 struct GemmShape<true, false, 1> {
-  static constexpr int MT = 2, U = 4;
+  static constexpr int MT = 2, U = 2;
 };
 template <>
 struct GemmShape<true, false, 2> {
-  static constexpr int MT = 2, U = 4;
+  static constexpr int MT = 2, U = 2;
 };
 template <>
 struct GemmShape<true, false, 4> {
-  static constexpr int MT = 2, U = 2;
+  static constexpr int MT = 2, U = 1;
 };
 
 template <bool kGateUp, int NT>
@@ -333,6 +333,7 @@ struct GemmParams {
   int prefetch_row_bytes = 0;  // down: bytes of each weight row prefetched into L2 before the wait
   bool vec = false;            // K % 8 == 0 and 16-byte aligned bases: 16-byte loads
   bool scale_vec = false;      // MXFP8: (K/32) % 4 == 0 and a 4-byte aligned scale base: word loads
+  bool w_vec16 = false;        // MXFP8: a 16-byte aligned weight base: 16-byte loads (else 2 x 8)
   // Plain linear (launch_fp8_linear): no block table (num_blocks == nullptr); token block b is rows
   // [b*bm, b*bm + bm) of b (the activations), expert 0, output row-major [linear_tokens, rows] into
   // y (fp32) or out_bf16; no slot weight.
@@ -429,7 +430,14 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
   // h = 1 the up row I + j; down: rows g and g + 8 of the m-tile.
   const size_t expert_rows = kGateUp ? size_t(2) * p.rows : size_t(p.rows);
   const uint8_t* w_e = static_cast<const uint8_t*>(p.w) + size_t(e) * expert_rows * K * kWBytes;
-  const int num_chunks = (K + 31) / 32;
+  // A k chunk: 32 wide for bf16 weights (a lane's 8 consecutive k of a row: one 16-byte load), 64
+  // for MXFP8 (a lane's 16 consecutive k: also one 16-byte load, so a warp's load covers 64 bytes of
+  // each of its 8 rows, as with bf16, not 32: half the L2 requests a weight byte). A lane's 16 k lie
+  // in one 32-wide scale block (2c + t / 2 of chunk c). Any k order works for the mma as long as A
+  // and B use the same one: k = kChunk * c + kLaneK * t + i feeds the mma's k slots in order.
+  constexpr int kChunk = kFp8 ? 64 : 32, kLaneK = kChunk / 4, kBWords = kLaneK / 8;
+  const int num_chunks = (K + kChunk - 1) / kChunk;
+  const int scale_blocks = (K + 31) / 32;  // MXFP8: scale bytes a weight row
   const uint8_t* a_row[MT][2];
   const uint8_t* s_row[MT][2];  // MXFP8 only
 #pragma unroll
@@ -443,7 +451,7 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
         r = min(row0 + mt * 16 + g + 8 * h, p.rows - 1);
       }
       a_row[mt][h] = w_e + size_t(r) * K * kWBytes;
-      if constexpr (kFp8) s_row[mt][h] = p.w_scale + (size_t(e) * expert_rows + r) * num_chunks;
+      if constexpr (kFp8) s_row[mt][h] = p.w_scale + (size_t(e) * expert_rows + r) * scale_blocks;
     }
   // Token columns: n-tile nt, column g; nullptr past the block's count (reads as zero).
   const uint16_t* b_row[NT];
@@ -465,33 +473,45 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mt][nt][q] = 0.f;
 
-  // The weight registers: 8 bf16 (uint4) or 8 e4m3 (uint2) per (chunk, m-tile, row half).
-  using WRaw = std::conditional_t<kFp8, uint2, uint4>;
-  constexpr int kScaleWords = kFp8 ? (U + 3) / 4 : 1;
-  // Word loads of 4 scales need the chunk base 4-aligned: U % 4 == 0 (else byte loads).
-  const bool scale_vec = p.scale_vec && U % 4 == 0;
+  // The registers of a step: 16 weight bytes per (chunk, m-tile, row half), 8 bf16 activations per
+  // (chunk, n-tile, 8 k), and for MXFP8 the scales, word i holding blocks 2 (base + 2i) .. + 3.
+  constexpr int kScaleWords = kFp8 ? (U + 1) / 2 : 1;
+  // Word loads of 4 scales need the block index 4-aligned: U % 2 == 0 (else byte loads).
+  const bool scale_vec = p.scale_vec && U % 2 == 0;
   for (int base = warp * U; base < num_chunks; base += kGemmWarps * U) {
-    WRaw a[U][MT][2];
-    uint4 b[U][NT];
-    uint32_t sc[kScaleWords][MT][2];  // MXFP8: byte j of word i = scale of chunk base + 4i + j
+    uint4 a[U][MT][2];
+    uint4 b[U][NT][kBWords];
+    uint32_t sc[kScaleWords][MT][2];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int chunk = base + u;
-      const int k = chunk * 32 + 8 * t;  // >= K past the last chunk: masked loads give zeros
-      const bool live = chunk < num_chunks;
+      const int k = chunk * kChunk + kLaneK * t;  // >= K past the last chunk: masked loads give zeros
+      // MXFP8: K % 32 == 0, so a lane's 16 k are all in the row or all past it.
+      const bool live = chunk < num_chunks && (!kFp8 || k < K);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if constexpr (kFp8)
-            a[u][mt][h] = live ? ld_weight8(a_row[mt][h] + k) : make_uint2(0, 0);
-          else
+          if constexpr (kFp8) {
+            const uint8_t* ptr = a_row[mt][h] + k;
+            uint4 v = make_uint4(0, 0, 0, 0);
+            if (live && p.w_vec16) {
+              v = ld_weight16(reinterpret_cast<const uint16_t*>(ptr));
+            } else if (live) {
+              const uint2 lo = ld_weight8(ptr), hi = ld_weight8(ptr + 8);
+              v = make_uint4(lo.x, lo.y, hi.x, hi.y);
+            }
+            a[u][mt][h] = v;
+          } else {
             a[u][mt][h] =
                 live ? load8_w(reinterpret_cast<const uint16_t*>(a_row[mt][h]), k, K, p.vec) : make_uint4(0, 0, 0, 0);
+          }
         }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
-        b[u][nt] = (live && b_row[nt]) ? load8(b_row[nt], k, K, p.vec) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < kBWords; ++i)
+          b[u][nt][i] = (live && b_row[nt]) ? load8(b_row[nt], k + 8 * i, K, p.vec) : make_uint4(0, 0, 0, 0);
     }
     if constexpr (kFp8) {
 #pragma unroll
@@ -499,26 +519,34 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) sc[i][mt][h] = load_scale4(s_row[mt][h], base + 4 * i, num_chunks, scale_vec);
+          for (int h = 0; h < 2; ++h)
+            sc[i][mt][h] = load_scale4(s_row[mt][h], 2 * (base + 2 * i), scale_blocks, scale_vec);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (base + u >= num_chunks) break;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        uint4 ra, rb;  // rows g and g + 8 as bf16
-        if constexpr (kFp8) {
-          ra = dequant_e4m3x8(a[u][mt][0], (sc[u / 4][mt][0] >> (8 * (u % 4))) & 0xffu);
-          rb = dequant_e4m3x8(a[u][mt][1], (sc[u / 4][mt][1] >> (8 * (u % 4))) & 0xffu);
-        } else {
-          ra = a[u][mt][0];
-          rb = a[u][mt][1];
-        }
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          if (nt * 8 >= cnt) break;  // warp-uniform: empty n-tiles cost nothing
-          mma_bf16_16816(acc[mt][nt], ra.x, rb.x, ra.y, rb.y, b[u][nt].x, b[u][nt].y);
-          mma_bf16_16816(acc[mt][nt], ra.z, rb.z, ra.w, rb.w, b[u][nt].z, b[u][nt].w);
+        for (int i = 0; i < kBWords; ++i) {
+          uint4 ra, rb;  // rows g and g + 8 as bf16: k 8 i .. 8 i + 7 of the lane's
+          if constexpr (kFp8) {
+            const int shift = 8 * (2 * (u % 2) + (t >> 1));  // block 2 chunk + t / 2 in its word
+            const uint4 wa = a[u][mt][0], wb = a[u][mt][1];
+            ra = dequant_e4m3x8(i ? make_uint2(wa.z, wa.w) : make_uint2(wa.x, wa.y),
+                                (sc[u / 2][mt][0] >> shift) & 0xffu);
+            rb = dequant_e4m3x8(i ? make_uint2(wb.z, wb.w) : make_uint2(wb.x, wb.y),
+                                (sc[u / 2][mt][1] >> shift) & 0xffu);
+          } else {
+            ra = a[u][mt][0];
+            rb = a[u][mt][1];
+          }
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            if (nt * 8 >= cnt) break;  // warp-uniform: empty n-tiles cost nothing
+            mma_bf16_16816(acc[mt][nt], ra.x, rb.x, ra.y, rb.y, b[u][nt][i].x, b[u][nt][i].y);
+            mma_bf16_16816(acc[mt][nt], ra.z, rb.z, ra.w, rb.w, b[u][nt][i].z, b[u][nt][i].w);
+          }
         }
       }
     }
@@ -796,6 +824,7 @@ void launch_moe(const MoeKernelParams& p, KernelStream on) {
   gp.w = p.gate_up;
   gp.w_scale = p.gate_up_scale;
   gp.scale_vec = fp8 && scale_words_ok(p.gate_up_scale, p.hidden);
+  gp.w_vec16 = aligned16(p.gate_up);
   gp.b = reinterpret_cast<const uint16_t*>(p.x);
   gp.act = act;
   gp.K = p.hidden;
@@ -807,6 +836,7 @@ void launch_moe(const MoeKernelParams& p, KernelStream on) {
   gp.w = p.down;
   gp.w_scale = p.down_scale;
   gp.scale_vec = fp8 && scale_words_ok(p.down_scale, p.inter);
+  gp.w_vec16 = aligned16(p.down);
   gp.b = act;
   gp.act = nullptr;
   gp.y = y;
@@ -856,6 +886,7 @@ void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on) {
   gp.w = p.w;
   gp.w_scale = p.w_scale;
   gp.scale_vec = scale_words_ok(p.w_scale, p.K);
+  gp.w_vec16 = aligned16(p.w);
   gp.b = reinterpret_cast<const uint16_t*>(p.x);
   gp.K = p.K;
   gp.rows = p.N;
