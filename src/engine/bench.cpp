@@ -316,7 +316,8 @@ nlohmann::json bench_json(const BenchReport& rep) {
   j["weights_gib_per_rank"] = rep.weights_gib_per_rank;
   j["protocol"] =
       "TTFT = prefill of the batch; step1 = first decode step (records the CUDA graph on cuda); TPOT over the "
-      "decode steps after it; tokens/s = batch / TPOT mean; floor = decode_weight_bytes / copy bandwidth";
+      "decode steps after it; tokens/s = batch / TPOT mean; floor = decode_weight_bytes (the experts each timed step "
+      "routed to) / read bandwidth (a read-only stream; read_bandwidth_gbs)";
   if (rep.full_layers > 0) {
     j["extrapolated_layers"] = rep.full_layers;
     j["extrapolation"] = rep.extrapolation;

@@ -67,8 +67,8 @@
 // active row: 3*I*H*(1 + 1/32). The same GEMM also serves the MXFP8 linears (launch_fp8_linear: one
 // expert, tokens in order, no routing).
 //
-// Measured on an H200: see docs/PERF.md, "MoE layer (bench/bench_moe)" (the whole layer, routing
-// included, as CUDA graphs with a cold L2, against the measured copy bandwidth). Before this
+// Measured on an H200: see docs/PERF.md, bench_moe's tables (the whole layer, routing included, as
+// CUDA graphs with a cold L2, against a floor over the measured read bandwidth). Before this
 // version (bm = 32 always, 16 j per gate_up CTA, no PDL): T=1 0.215 ms = 2.6 TB/s of weights.
 #include "backends/cuda/moe.cuh"
 
