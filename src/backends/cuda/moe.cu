@@ -82,7 +82,6 @@
 #include <cmath>
 #include <cstddef>
 #include <string>
-#include <type_traits>
 #include <utility>
 
 #include "backends/cuda/cuda_check.h"
@@ -529,7 +528,7 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int i = 0; i < kBWords; ++i) {
-          uint4 ra, rb;  // rows g and g + 8 as bf16: k 8 i .. 8 i + 7 of the lane's
+          uint4 ra, rb;  // rows g and g + 8 as bf16, the lane's k 8i .. 8i + 7
           if constexpr (kFp8) {
             const int shift = 8 * (2 * (u % 2) + (t >> 1));  // block 2 chunk + t / 2 in its word
             const uint4 wa = a[u][mt][0], wb = a[u][mt][1];
