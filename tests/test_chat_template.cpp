@@ -23,13 +23,7 @@ namespace {
 
 const std::filesystem::path kDataDir = std::filesystem::path(__FILE__).parent_path() / "chat_template";
 
-std::string read_text(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  EXPECT_TRUE(in) << path;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read_text(const std::filesystem::path& path) { return test::read_text_file(path); }
 
 nlohmann::ordered_json read_json(const std::filesystem::path& path) {
   return nlohmann::ordered_json::parse(read_text(path));

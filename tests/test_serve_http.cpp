@@ -15,6 +15,7 @@
 #include "fake_scheduler.h"
 #include "prometheus_check.h"
 #include "serve/server.h"
+#include "test_util.h"
 #include "text/text_model.h"
 
 namespace tpmoe::serve {
@@ -29,9 +30,13 @@ constexpr int kContext = 256;
 // A server on a free port in front of a FakeScheduler whose replies are the text `reply`.
 class ServeHttp : public ::testing::Test {
  protected:
-  explicit ServeHttp(std::chrono::microseconds step = 1ms) : text_(text::load_text_model("", kVocab, {})) {
+  // `chat_template` non-empty: the model's template instead of the preset's (same tokenizer).
+  explicit ServeHttp(std::chrono::microseconds step = 1ms, const std::string& chat_template = "",
+                     int context = kContext)
+      : text_(text::load_text_model("", kVocab, {})) {
+    if (!chat_template.empty()) text_.chat_template = text::ChatTemplate::parse(chat_template);
     ServeOptions options;
-    options.max_context = kContext;
+    options.max_context = context;
     options.max_batch = 64;
     options.page_size = 16;
     scheduler_ = std::make_unique<test::FakeScheduler>(
@@ -350,6 +355,132 @@ TEST_F(ServeHttp, MetricsAfterTraffic) {
 }
 
 // Slower steps, so that 64 streams overlap for a while.
+// The server in front of MiniMax-M3's chat template: its <mm:think> tags and its tool calls.
+class ServeHttpM3 : public ServeHttp {
+ protected:
+  ServeHttpM3() : ServeHttp(1ms, test::read_text_file(test::chat_template_path("minimax_m3.jinja")), kM3Context) {}
+  // The template's own system prompt and the tools run past the preset tests' context.
+  static constexpr int kM3Context = 4096;
+
+  static json tools() {
+    return json::parse(R"([{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}])");
+  }
+  static json ask(bool stream) {
+    json body = {{"messages", {{{"role", "user"}, {"content", "Weather in Paris?"}}}}, {"tools", tools()}};
+    if (stream) body["stream"] = true;
+    return body;
+  }
+  static std::string call_text(const std::string& city, int days) {
+    const std::string ns = "]<]minimax[>[";
+    return ns + "<invoke name=\"get_weather\">" + ns + "<city>" + city + ns + "</city>" + ns + "<days>" +
+           std::to_string(days) + ns + "</days>" + ns + "</invoke>\n";
+  }
+  void script_two_calls() {
+    const std::string ns = "]<]minimax[>[";
+    reply_ = "<mm:think>The user wants weather.</mm:think>Checking both." + ns + "<tool_call>\n" +
+             call_text("Paris", 3) + call_text("Lyon", 1) + ns + "</tool_call>";
+  }
+};
+
+TEST_F(ServeHttpM3, ToolCallsComeBackAsToolCalls) {
+  script_two_calls();
+  const auto r = post("/v1/chat/completions", ask(false));
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  const json& message = j["choices"][0]["message"];
+  EXPECT_EQ(message["reasoning_content"], "The user wants weather.");
+  EXPECT_EQ(message["content"], "Checking both.");
+  ASSERT_EQ(message["tool_calls"].size(), 2u) << r->body;
+  std::vector<std::string> ids;
+  for (const json& call : message["tool_calls"]) {
+    EXPECT_EQ(call["type"], "function");
+    EXPECT_EQ(call["function"]["name"], "get_weather");
+    EXPECT_TRUE(call["function"]["arguments"].is_string());
+    ids.push_back(call["id"]);
+    EXPECT_TRUE(ids.back().starts_with("call_")) << ids.back();
+  }
+  EXPECT_NE(ids[0], ids[1]);
+  EXPECT_EQ(json::parse(message["tool_calls"][0]["function"]["arguments"].get<std::string>()),
+            json({{"city", "Paris"}, {"days", 3}}));
+  EXPECT_EQ(json::parse(message["tool_calls"][1]["function"]["arguments"].get<std::string>()),
+            json({{"city", "Lyon"}, {"days", 1}}));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls");
+
+  // parallel_tool_calls false: the first call only. tool_choice "none": the markup stays text.
+  json one = ask(false);
+  one["parallel_tool_calls"] = false;
+  const json first = json::parse(post("/v1/chat/completions", one)->body);
+  ASSERT_EQ(first["choices"][0]["message"]["tool_calls"].size(), 1u) << first.dump();
+  json none = ask(false);
+  none["tool_choice"] = "none";
+  const json text = json::parse(post("/v1/chat/completions", none)->body);
+  EXPECT_FALSE(text["choices"][0]["message"].contains("tool_calls")) << text.dump();
+  EXPECT_NE(text["choices"][0]["message"]["content"].get<std::string>().find("<invoke name="), std::string::npos);
+  EXPECT_EQ(text["choices"][0]["finish_reason"], "stop");
+}
+
+TEST_F(ServeHttpM3, StreamedToolCalls) {
+  script_two_calls();
+  const auto r = post("/v1/chat/completions", ask(true));
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  std::string reasoning, content, finish;
+  std::vector<json> calls;
+  for (const json& e : parse_sse(r->body)) {
+    const json& choice = e["choices"][0];
+    const json& delta = choice["delta"];
+    if (delta.contains("reasoning_content")) reasoning += delta["reasoning_content"].get<std::string>();
+    if (delta.contains("content")) content += delta["content"].get<std::string>();
+    if (delta.contains("tool_calls"))
+      for (const json& c : delta["tool_calls"]) calls.push_back(c);
+    if (!choice["finish_reason"].is_null()) finish = choice["finish_reason"];
+  }
+  EXPECT_EQ(reasoning, "The user wants weather.");
+  EXPECT_EQ(content, "Checking both.");
+  ASSERT_EQ(calls.size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(calls[i]["index"], i);
+    EXPECT_EQ(calls[i]["type"], "function");
+    EXPECT_EQ(calls[i]["function"]["name"], "get_weather");
+  }
+  EXPECT_EQ(json::parse(calls[1]["function"]["arguments"].get<std::string>()), json({{"city", "Lyon"}, {"days", 1}}));
+  EXPECT_EQ(finish, "tool_calls");
+}
+
+TEST_F(ServeHttpM3, ToolRoundTripAndBadToolRequests) {
+  // The client sends the call back with its arguments as JSON text (as OpenAI's clients do) and the
+  // tool's result: the template renders it.
+  reply_ = "It is sunny in Paris.";
+  json body = ask(false);
+  body["messages"].push_back({{"role", "assistant"},
+                              {"content", nullptr},
+                              {"tool_calls",
+                               {{{"id", "call_1"},
+                                 {"type", "function"},
+                                 {"function", {{"name", "get_weather"}, {"arguments", R"({"city": "Paris"})"}}}}}}});
+  body["messages"].push_back({{"role", "tool"}, {"tool_call_id", "call_1"}, {"content", "sunny"}});
+  const auto r = post("/v1/chat/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["choices"][0]["message"]["content"], "It is sunny in Paris.");
+  EXPECT_FALSE(j["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "stop");
+
+  body["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{city: Paris";
+  EXPECT_EQ(expect_error(post("/v1/chat/completions", body), 400, "arguments not JSON")["error"]["param"], "messages");
+  json required = ask(false);
+  required["tool_choice"] = "required";
+  EXPECT_EQ(expect_error(post("/v1/chat/completions", required), 400, "tool_choice required")["error"]["param"],
+            "tool_choice");
+  json bad_tool = ask(false);
+  bad_tool["tools"] = {{{"type", "function"}}};
+  EXPECT_EQ(expect_error(post("/v1/chat/completions", bad_tool), 400, "a tool without a function")["error"]["param"],
+            "tools");
+}
+
 class ServeHttpSlow : public ServeHttp {
  protected:
   ServeHttpSlow() : ServeHttp(10ms) {}

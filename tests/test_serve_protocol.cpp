@@ -94,6 +94,55 @@ TEST(ServeProtocol, ChatMessagesAndTemplateArguments) {
   expect_refused(Endpoint::kCompletions, R"({"prompt": "p", "messages": []})", 400, "messages");
 }
 
+TEST(ServeProtocol, ToolsAndToolChoice) {
+  const Endpoint chat = Endpoint::kChatCompletions;
+  const std::string tools = R"("tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}])";
+  const std::string user = R"("messages": [{"role": "user", "content": "hi"}])";
+  // With tools, tool_choice defaults to "auto": the reply's calls are read.
+  ApiRequest r = parse(chat, "{" + user + ", " + tools + "}");
+  EXPECT_TRUE(r.read_tool_calls);
+  EXPECT_TRUE(r.parallel_tool_calls);
+  EXPECT_EQ(r.chat.tools[0]["function"]["name"], "f");
+  r = parse(chat, "{" + user + ", " + tools + R"(, "tool_choice": "none", "parallel_tool_calls": false})");
+  EXPECT_FALSE(r.read_tool_calls);
+  EXPECT_FALSE(r.parallel_tool_calls);
+  EXPECT_FALSE(parse(chat, "{" + user + "}").read_tool_calls);
+  EXPECT_FALSE(parse(chat, "{" + user + R"(, "tools": []})").read_tool_calls);
+  EXPECT_FALSE(parse(chat, "{" + user + R"(, "tool_choice": "none"})").read_tool_calls);
+  // Forcing a call needs constrained decoding; "auto" needs tools; a tool must name its function.
+  expect_refused(chat, "{" + user + ", " + tools + R"(, "tool_choice": "required"})", 400, "tool_choice");
+  expect_refused(chat,
+                 "{" + user + ", " + tools + R"(, "tool_choice": {"type": "function", "function": {"name": "f"}}})",
+                 400, "tool_choice");
+  expect_refused(chat, "{" + user + ", " + tools + R"(, "tool_choice": "sometimes"})", 400, "tool_choice");
+  expect_refused(chat, "{" + user + ", " + tools + R"(, "tool_choice": 1})", 400, "tool_choice");
+  expect_refused(chat, "{" + user + R"(, "tool_choice": "auto"})", 400, "tool_choice");
+  expect_refused(chat, "{" + user + R"(, "tools": {"name": "f"}})", 400, "tools");
+  expect_refused(chat, "{" + user + R"(, "tools": [{"type": "function", "function": {}}]})", 400, "tools");
+  expect_refused(chat, "{" + user + R"(, "tools": [{"type": "retrieval", "function": {"name": "f"}}]})", 400, "tools");
+  expect_refused(chat, "{" + user + ", " + tools + R"(, "parallel_tool_calls": "yes"})", 400, "parallel_tool_calls");
+}
+
+TEST(ServeProtocol, AssistantToolCallArgumentsAsTextBecomeObjects) {
+  const ApiRequest r = parse(Endpoint::kChatCompletions, R"({"messages": [
+    {"role": "user", "content": "weather?"},
+    {"role": "assistant", "content": null, "tool_calls": [
+      {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{\"city\": \"Paris\", \"days\": 2}"}},
+      {"id": "call_2", "type": "function", "function": {"name": "g", "arguments": {"already": "an object"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]})");
+  const Json& calls = r.chat.messages[1]["tool_calls"];
+  EXPECT_EQ(calls[0]["function"]["arguments"], Json({{"city", "Paris"}, {"days", 2}}));
+  EXPECT_EQ(calls[1]["function"]["arguments"], Json({{"already", "an object"}}));
+  for (const char* args : {R"("not json")", R"("[1, 2]")"})
+    expect_refused(
+        Endpoint::kChatCompletions,
+        std::string(R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": )") +
+            args + "}}]}]}",
+        400, "messages");
+  expect_refused(Endpoint::kChatCompletions, R"j({"messages": [{"role": "assistant", "tool_calls": "f()"}]})j", 400,
+                 "messages");
+}
+
 TEST(ServeProtocol, WrongTypesAndUnsupportedValuesNameTheField) {
   const Endpoint c = Endpoint::kCompletions;
   expect_refused(c, R"({"prompt": "p", "temperature": "hot"})", 400, "temperature");
@@ -158,7 +207,7 @@ TEST(ServeProtocol, ErrorJson) {
 
 TEST(ServeProtocol, ReplyShapes) {
   ReplyHeader h{Endpoint::kChatCompletions, "chatcmpl-1", 1700000000, "tiny", true};
-  const Json full = full_reply(h, {"thought", "answer"}, "stop", {10, 3});
+  const Json full = full_reply(h, {"thought", "answer", {}}, "stop", {10, 3});
   EXPECT_EQ(full["object"], "chat.completion");
   EXPECT_EQ(full["choices"][0]["message"]["role"], "assistant");
   EXPECT_EQ(full["choices"][0]["message"]["content"], "answer");
@@ -166,7 +215,7 @@ TEST(ServeProtocol, ReplyShapes) {
   EXPECT_EQ(full["choices"][0]["finish_reason"], "stop");
   EXPECT_EQ(full["usage"]["total_tokens"], 13);
 
-  const Json chunk = delta_chunk(h, {"", "piece"}, "");
+  const Json chunk = delta_chunk(h, {"", "piece", {}}, "");
   EXPECT_EQ(chunk["object"], "chat.completion.chunk");
   EXPECT_EQ(chunk["choices"][0]["delta"]["content"], "piece");
   EXPECT_FALSE(chunk["choices"][0]["delta"].contains("reasoning_content"));
@@ -177,9 +226,32 @@ TEST(ServeProtocol, ReplyShapes) {
   EXPECT_TRUE(usage["choices"].empty());
   EXPECT_EQ(usage["usage"]["completion_tokens"], 3);
 
+  // Tool calls: arguments as JSON text; content null when there is no other text; in a stream,
+  // each call whole with its index.
+  ToolCall call;
+  call.index = 1;
+  call.id = "call_x_1";
+  call.name = "get_weather";
+  call.arguments = {{"city", "Paris"}, {"days", 2}};
+  const Json with_call = full_reply(h, {"", "", {call}}, "tool_calls", {10, 3});
+  const Json& message = with_call["choices"][0]["message"];
+  EXPECT_TRUE(message["content"].is_null());
+  ASSERT_EQ(message["tool_calls"].size(), 1u);
+  EXPECT_EQ(message["tool_calls"][0],
+            Json({{"id", "call_x_1"},
+                  {"type", "function"},
+                  {"function", {{"name", "get_weather"}, {"arguments", R"({"city":"Paris","days":2})"}}}}));
+  EXPECT_EQ(with_call["choices"][0]["finish_reason"], "tool_calls");
+  EXPECT_EQ(full_reply(h, {"", "text", {call}}, "tool_calls", {1, 1})["choices"][0]["message"]["content"], "text");
+  EXPECT_FALSE(full["choices"][0]["message"].contains("tool_calls"));
+  const Json call_chunk = delta_chunk(h, {"", "", {call}}, "");
+  EXPECT_FALSE(call_chunk["choices"][0]["delta"].contains("content"));
+  EXPECT_EQ(call_chunk["choices"][0]["delta"]["tool_calls"][0]["index"], 1);
+  EXPECT_EQ(call_chunk["choices"][0]["delta"]["tool_calls"][0]["function"]["name"], "get_weather");
+
   h.endpoint = Endpoint::kCompletions;
   h.include_usage = false;
-  const Json text = delta_chunk(h, {"", "abc"}, "length");
+  const Json text = delta_chunk(h, {"", "abc", {}}, "length");
   EXPECT_EQ(text["object"], "text_completion");
   EXPECT_EQ(text["choices"][0]["text"], "abc");
   EXPECT_EQ(text["choices"][0]["finish_reason"], "length");

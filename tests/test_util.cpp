@@ -4,7 +4,9 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <random>
+#include <sstream>
 #include <stdexcept>
 
 #include <fmt/format.h>
@@ -16,6 +18,18 @@ namespace tpmoe::test {
 std::filesystem::path fixtures_dir() {
   if (const char* env = std::getenv("TPMOE_FIXTURES")) return env;
   return TPMOE_FIXTURES_DIR;
+}
+
+std::string read_text_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error("cannot read " + path.string());
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::filesystem::path chat_template_path(const std::string& name) {
+  return std::filesystem::path(__FILE__).parent_path() / "chat_template" / "templates" / name;
 }
 
 std::filesystem::path make_temp_dir(const std::string& tag) {

@@ -16,6 +16,10 @@ namespace tpmoe::test {
 std::filesystem::path fixtures_dir();
 // A fresh empty directory under the system temp dir, removed by the caller's TearDown if wanted.
 std::filesystem::path make_temp_dir(const std::string& tag);
+// A file's bytes; throws std::runtime_error naming it when it cannot be read.
+std::string read_text_file(const std::filesystem::path& path);
+// tests/chat_template/templates/<name>: the model chat templates the tests render.
+std::filesystem::path chat_template_path(const std::string& name);
 
 struct CommandResult {
   int exit_code;       // the command's status; kCliHung when it ran past the timeout; 128 + N when killed by signal N

@@ -374,6 +374,7 @@ void run_serve(ServeFlags f) {
     const int port = server.bind();
     fmt::print("tpmoe serve: listening on http://{}:{} model '{}' (Ctrl-C stops)\n", f.server.host, port,
                f.server.served_model_name);
+    fmt::print("tpmoe serve: replies: {}\n", serve::describe(server.reply_format()));
     std::fflush(stdout);
     std::atomic<bool> stopped{false};
     std::thread watcher([&] {

@@ -183,6 +183,65 @@ void normalise_content(Json& message, size_t index) {
   *it = joined;
 }
 
+// An assistant turn's tool calls as templates take them: OpenAI's clients send each call's arguments
+// as JSON text, templates iterate them as a mapping (vLLM parses them the same way).
+void parse_tool_call_arguments(Json& message, size_t index) {
+  auto calls = message.find("tool_calls");
+  if (calls == message.end() || calls->is_null()) return;
+  if (!calls->is_array())
+    throw ApiError(400, fmt::format("messages[{}].tool_calls must be a list, got {}", index, calls->type_name()),
+                   "messages", "invalid_type");
+  for (size_t j = 0; j < calls->size(); ++j) {
+    Json& call = (*calls)[j];
+    if (!call.is_object() || !call.contains("function") || !call["function"].is_object()) continue;
+    Json& function = call["function"];
+    auto args = function.find("arguments");
+    if (args == function.end() || !args->is_string()) continue;
+    Json parsed = Json::parse(args->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    if (parsed.is_discarded() || !parsed.is_object())
+      throw ApiError(
+          400,
+          fmt::format("messages[{}].tool_calls[{}].function.arguments must be a JSON object (as text or as an object)",
+                      index, j),
+          "messages", "invalid_value");
+    *args = std::move(parsed);
+  }
+}
+
+void read_tools(const Json& body, ApiRequest& r) {
+  const Json* tools = field(body, "tools");
+  if (tools) {
+    if (!tools->is_array()) bad_type("tools", "a list", *tools);
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const Json& tool = (*tools)[i];
+      const Json* type = tool.is_object() ? field(tool, "type") : nullptr;
+      const Json* function = tool.is_object() ? field(tool, "function") : nullptr;
+      const Json* name = function && function->is_object() ? field(*function, "name") : nullptr;
+      if ((type && *type != "function") || !name || !name->is_string())
+        throw ApiError(400,
+                       fmt::format("tools[{}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", i),
+                       "tools", "invalid_value");
+    }
+    r.chat.tools = *tools;
+  }
+  const bool have_tools = tools && !tools->empty();
+  std::string choice = have_tools ? "auto" : "none";
+  if (const Json* tool_choice = field(body, "tool_choice")) {
+    if (!tool_choice->is_string() && !tool_choice->is_object())
+      bad_type("tool_choice", "\"none\", \"auto\", \"required\" or a named function", *tool_choice);
+    if (tool_choice->is_object() || *tool_choice == "required")
+      unsupported("tool_choice", "forcing a tool call (it needs constrained decoding)");
+    choice = tool_choice->get<std::string>();
+    if (choice != "none" && choice != "auto")
+      throw ApiError(400, fmt::format("'tool_choice' must be \"none\", \"auto\" or \"required\", got \"{}\"", choice),
+                     "tool_choice", "invalid_value");
+    if (choice == "auto" && !have_tools)
+      throw ApiError(400, "'tool_choice' \"auto\" needs 'tools'", "tool_choice", "invalid_value");
+  }
+  r.read_tool_calls = choice == "auto";
+  if (auto v = bool_field(body, "parallel_tool_calls")) r.parallel_tool_calls = *v;
+}
+
 void read_chat(const Json& body, ApiRequest& r) {
   const Json* messages = field(body, "messages");
   if (!messages) throw ApiError(400, "'messages' is required: a list of messages", "messages", "missing_field");
@@ -194,11 +253,9 @@ void read_chat(const Json& body, ApiRequest& r) {
     if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
       throw ApiError(400, fmt::format("messages[{}] must be an object with a string 'role'", i), "messages");
     normalise_content(m, i);
+    parse_tool_call_arguments(m, i);
   }
-  if (const Json* tools = field(body, "tools")) {
-    if (!tools->is_array()) bad_type("tools", "a list", *tools);
-    r.chat.tools = *tools;
-  }
+  read_tools(body, r);
   if (auto v = bool_field(body, "add_generation_prompt")) r.chat.add_generation_prompt = *v;
   if (const Json* kwargs = field(body, "chat_template_kwargs")) {
     if (!kwargs->is_object()) bad_type("chat_template_kwargs", "an object", *kwargs);
@@ -272,13 +329,32 @@ Json chunk_with_choice(const ReplyHeader& h, Json choice) {
 
 }  // namespace
 
-Json full_reply(const ReplyHeader& h, const ReasoningDelta& text, const std::string& finish_reason,
-                const Usage& usage) {
+namespace {
+
+// A call as message.tool_calls holds it (and, with its index, as delta.tool_calls does).
+Json tool_call_json(const ToolCall& call, bool with_index) {
+  Json j = Json::object();
+  if (with_index) j["index"] = call.index;
+  j["id"] = call.id;
+  j["type"] = "function";
+  j["function"] = Json{{"name", call.name}, {"arguments", dump_json(call.arguments)}};
+  return j;
+}
+
+}  // namespace
+
+Json full_reply(const ReplyHeader& h, const ReplyText& text, const std::string& finish_reason, const Usage& usage) {
   Json j = reply_base(h, false);
   Json choice{{"index", 0}};
   if (is_chat(h)) {
-    Json message{{"role", "assistant"}, {"content", text.content}};
+    Json message{{"role", "assistant"}};
+    message["content"] = text.content.empty() && !text.tool_calls.empty() ? Json(nullptr) : Json(text.content);
     message["reasoning_content"] = text.reasoning.empty() ? Json(nullptr) : Json(text.reasoning);
+    if (!text.tool_calls.empty()) {
+      Json calls = Json::array();
+      for (const ToolCall& call : text.tool_calls) calls.push_back(tool_call_json(call, false));
+      message["tool_calls"] = std::move(calls);
+    }
     choice["message"] = std::move(message);
   } else {
     choice["text"] = text.content;
@@ -297,12 +373,17 @@ Json chat_role_chunk(const ReplyHeader& h) {
                                    {"finish_reason", nullptr}});
 }
 
-Json delta_chunk(const ReplyHeader& h, const ReasoningDelta& delta, const std::string& finish_reason) {
+Json delta_chunk(const ReplyHeader& h, const ReplyText& delta, const std::string& finish_reason) {
   Json choice{{"index", 0}};
   if (is_chat(h)) {
     Json d = Json::object();
     if (!delta.reasoning.empty()) d["reasoning_content"] = delta.reasoning;
     if (!delta.content.empty()) d["content"] = delta.content;
+    if (!delta.tool_calls.empty()) {
+      Json calls = Json::array();
+      for (const ToolCall& call : delta.tool_calls) calls.push_back(tool_call_json(call, true));
+      d["tool_calls"] = std::move(calls);
+    }
     choice["delta"] = std::move(d);
   } else {
     choice["text"] = delta.content;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "serve/reasoning.h"
+#include "serve/tool_calls.h"
 #include "text/chat_template.h"
 #include "tpmoe/sampling.h"
 
@@ -54,8 +55,14 @@ struct ApiRequest {
   std::string prompt_text;
   std::vector<int64_t> prompt_ids;
   bool prompt_is_ids = false;
-  // /v1/chat/completions: the conversation, for the chat template.
+  // /v1/chat/completions: the conversation, for the chat template (an assistant turn's tool-call
+  // arguments given as JSON text are parsed into objects, as templates iterate them).
   text::ChatRequest chat;
+  // tools given and tool_choice "auto" (the default with tools): the reply's tool calls are read out
+  // of its text. tool_choice "none" leaves them text; "required" or a named function would need
+  // constrained decoding and are refused.
+  bool read_tool_calls = false;
+  bool parallel_tool_calls = true;    // false: only the reply's first call is returned
   std::optional<int64_t> max_tokens;  // unset: the rest of the context
   SamplingParams sampling;            // all but max_tokens
   bool stream = false;
@@ -88,14 +95,22 @@ struct ReplyHeader {
   bool include_usage = false;  // streamed: chunks carry "usage": null, the last one the usage
 };
 
-// A whole reply ("text_completion" / "chat.completion"): `text` split into reasoning and content
-// (completions put the content only: they do not split reasoning).
-Json full_reply(const ReplyHeader& header, const ReasoningDelta& text, const std::string& finish_reason,
-                const Usage& usage);
+// A reply's text (or a piece of it) as the API returns it: the reasoning, the content and the tool
+// calls read out of the content. Completions return the content only.
+struct ReplyText {
+  std::string reasoning;
+  std::string content;
+  std::vector<ToolCall> tool_calls;
+};
+
+// A whole reply ("text_completion" / "chat.completion"). A chat message with tool calls and no other
+// text has content null, as OpenAI's.
+Json full_reply(const ReplyHeader& header, const ReplyText& text, const std::string& finish_reason, const Usage& usage);
 // A chat stream's first chunk: the assistant role, before any text.
 Json chat_role_chunk(const ReplyHeader& header);
-// A stream chunk with `delta`'s text (completions: content only); `finish_reason` empty: null.
-Json delta_chunk(const ReplyHeader& header, const ReasoningDelta& delta, const std::string& finish_reason);
+// A stream chunk with `delta`'s text and calls (completions: content only); `finish_reason` empty:
+// null. Each call comes whole in one chunk, its index the call's place in the reply.
+Json delta_chunk(const ReplyHeader& header, const ReplyText& delta, const std::string& finish_reason);
 // The last chunk when include_usage: no choices, the usage.
 Json usage_chunk(const ReplyHeader& header, const Usage& usage);
 

@@ -1,27 +1,15 @@
 #include "serve/reasoning.h"
 
-#include <algorithm>
+#include <utility>
 
 namespace tpmoe::serve {
 
-ReasoningSplitter::ReasoningSplitter(bool starts_in_reasoning)
-    : phase_(starts_in_reasoning ? Phase::kReasoning : Phase::kBeforeReasoning) {}
+ReasoningSplitter::ReasoningSplitter(bool starts_in_reasoning, ThinkTags tags)
+    : tags_(std::move(tags)), phase_(starts_in_reasoning ? Phase::kReasoning : Phase::kBeforeReasoning) {}
 
 void ReasoningSplitter::append(ReasoningDelta& delta, std::string_view text) const {
   (phase_ == Phase::kReasoning ? delta.reasoning : delta.content).append(text);
 }
-
-namespace {
-
-// Length of the longest suffix of `text` that is a proper prefix of `tag` (it may become the tag
-// when more text arrives).
-size_t partial_tag_suffix(std::string_view text, std::string_view tag) {
-  for (size_t n = std::min(text.size(), tag.size() - 1); n > 0; --n)
-    if (text.substr(text.size() - n) == tag.substr(0, n)) return n;
-  return 0;
-}
-
-}  // namespace
 
 ReasoningDelta ReasoningSplitter::feed(std::string_view text) {
   ReasoningDelta delta;
@@ -34,7 +22,7 @@ ReasoningDelta ReasoningSplitter::feed(std::string_view text) {
   buffer.append(text);
   std::string_view rest = buffer;
   while (phase_ != Phase::kAnswer) {
-    const std::string_view tag = phase_ == Phase::kReasoning ? kThinkClose : kThinkOpen;
+    const std::string_view tag = phase_ == Phase::kReasoning ? tags_.close : tags_.open;
     const size_t at = rest.find(tag);
     if (at == std::string_view::npos) {
       const size_t keep = partial_tag_suffix(rest, tag);
@@ -57,10 +45,10 @@ ReasoningDelta ReasoningSplitter::flush() {
   return delta;
 }
 
-bool prompt_opens_reasoning(std::string_view prompt) {
-  const size_t open = prompt.rfind(kThinkOpen);
+bool prompt_opens_reasoning(std::string_view prompt, const ThinkTags& tags) {
+  const size_t open = prompt.rfind(tags.open);
   if (open == std::string_view::npos) return false;
-  const size_t close = prompt.rfind(kThinkClose);
+  const size_t close = prompt.rfind(tags.close);
   return close == std::string_view::npos || close < open;
 }
 

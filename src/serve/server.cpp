@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <thread>
 #include <unordered_set>
@@ -20,6 +21,8 @@
 #include "serve/metrics.h"
 #include "serve/openai_api.h"
 #include "serve/reasoning.h"
+#include "serve/reply_format.h"
+#include "serve/tool_calls.h"
 
 namespace tpmoe::serve {
 
@@ -63,17 +66,24 @@ class UpdateQueue {
   std::deque<TimedUpdate> items_;
 };
 
-// A request's reply as its updates arrive: its text (split into reasoning and content for chat),
-// its token counts and timings.
+// A request's reply as its updates arrive: its text (for chat: the reasoning split from the content,
+// and the tool calls read out of the content when the request asked for them), its token counts and
+// timings.
 class Reply {
  public:
-  Reply(ReplyHeader header, Clock::time_point arrival, int prompt_tokens, bool starts_in_reasoning)
-      : header_(std::move(header)), arrival_(arrival), splitter_(starts_in_reasoning) {
+  // `tool_calls` set: the reply's tool calls are read in that syntax, typed by the request's tools.
+  Reply(ReplyHeader header, Clock::time_point arrival, int prompt_tokens, bool starts_in_reasoning,
+        const ThinkTags& think, std::optional<ToolCallParser> tool_calls, bool parallel_tool_calls)
+      : header_(std::move(header)),
+        arrival_(arrival),
+        splitter_(starts_in_reasoning, think),
+        tool_calls_(std::move(tool_calls)),
+        parallel_tool_calls_(parallel_tool_calls) {
     usage_.prompt_tokens = prompt_tokens;
   }
 
-  // The text `u` adds, split; at the last update also the splitter's held-back tail.
-  ReasoningDelta apply(const TimedUpdate& u) {
+  // The text `u` adds, split; at the last update also what the readers held back.
+  ReplyText apply(const TimedUpdate& u) {
     if (!u.update.tokens.empty()) {
       if (timings_.first_token < 0) timings_.first_token = seconds_between(arrival_, u.at);
       timings_.last_token = seconds_between(arrival_, u.at);
@@ -81,17 +91,13 @@ class Reply {
     tokens_seen_ += int(u.update.tokens.size());
     usage_.completion_tokens = std::max(tokens_seen_, u.update.completion_tokens);
     timings_.completion_tokens = usage_.completion_tokens;
-    ReasoningDelta delta = split(u.update.text);
-    if (!u.update.finish_reason.empty()) {
+    const bool last = !u.update.finish_reason.empty();
+    ReplyText delta = split(u.update.text, last);
+    if (last) {
       finish_reason_ = u.update.finish_reason;
-      if (chat()) {
-        ReasoningDelta tail = splitter_.flush();
-        delta.reasoning += tail.reasoning;
-        delta.content += tail.content;
-      }
+      // OpenAI's reason for a reply that ended by calling tools.
+      if (finish_reason_ == "stop" && !whole_.tool_calls.empty()) finish_reason_ = "tool_calls";
     }
-    whole_.reasoning += delta.reasoning;
-    whole_.content += delta.content;
     return delta;
   }
 
@@ -99,20 +105,50 @@ class Reply {
   bool finished() const { return !finish_reason_.empty(); }
   const std::string& finish_reason() const { return finish_reason_; }
   const ReplyHeader& header() const { return header_; }
-  const ReasoningDelta& whole() const { return whole_; }
+  const ReplyText& whole() const { return whole_; }
   const Usage& usage() const { return usage_; }
   const RequestTimings& timings() const { return timings_; }
 
  private:
-  ReasoningDelta split(const std::string& text) {
-    if (chat()) return splitter_.feed(text);
-    return {"", text};  // completions return the text as generated
+  ReplyText split(const std::string& text, bool last) {
+    ReplyText delta;
+    if (!chat()) {  // completions return the text as generated
+      delta.content = text;
+      whole_.content += text;
+      return delta;
+    }
+    ReasoningDelta parts = splitter_.feed(text);
+    if (last) {
+      const ReasoningDelta tail = splitter_.flush();
+      parts.reasoning += tail.reasoning;
+      parts.content += tail.content;
+    }
+    delta.reasoning = std::move(parts.reasoning);
+    if (tool_calls_) {
+      ToolCallDelta calls = tool_calls_->feed(parts.content);
+      if (last) {
+        ToolCallDelta tail = tool_calls_->flush();
+        calls.content += tail.content;
+        for (ToolCall& call : tail.calls) calls.calls.push_back(std::move(call));
+      }
+      delta.content = std::move(calls.content);
+      for (ToolCall& call : calls.calls)
+        if (parallel_tool_calls_ || call.index == 0) delta.tool_calls.push_back(std::move(call));
+    } else {
+      delta.content = std::move(parts.content);
+    }
+    whole_.reasoning += delta.reasoning;
+    whole_.content += delta.content;
+    whole_.tool_calls.insert(whole_.tool_calls.end(), delta.tool_calls.begin(), delta.tool_calls.end());
+    return delta;
   }
 
   ReplyHeader header_;
   Clock::time_point arrival_;
   ReasoningSplitter splitter_;
-  ReasoningDelta whole_;
+  std::optional<ToolCallParser> tool_calls_;
+  bool parallel_tool_calls_;
+  ReplyText whole_;
   Usage usage_;
   RequestTimings timings_;
   int tokens_seen_ = 0;
@@ -151,7 +187,11 @@ constexpr int kListenBacklog = 1024;
 }  // namespace
 
 struct OpenAIServer::Impl {
-  Impl(Scheduler& s, const text::TextModel& t, ServerOptions o) : scheduler(s), text(t), options(std::move(o)) {
+  Impl(Scheduler& s, const text::TextModel& t, ServerOptions o)
+      : scheduler(s),
+        text(t),
+        options(std::move(o)),
+        format(text.chat_template ? reply_format_of_template(text.chat_template->source()) : ReplyFormat{}) {
     TPMOE_CHECK(!options.served_model_name.empty(), "serve: the served model name is empty");
     std::random_device device;
     id_salt = (uint64_t(device()) << 32) ^ device();
@@ -163,6 +203,7 @@ struct OpenAIServer::Impl {
   Scheduler& scheduler;
   const text::TextModel& text;
   ServerOptions options;
+  ReplyFormat format;  // the model's reasoning tags and tool-call syntax, from its chat template
   HttpServer http;
   ServerMetrics metrics;
   std::mutex template_mutex;  // the chat template interpreter does not promise thread safety
@@ -190,7 +231,7 @@ struct OpenAIServer::Impl {
                     std::shared_ptr<Reply> reply);
   void wait_reply(UpdateQueue& queue, Reply& reply);
   // Reply::apply, and the time to the first token into the metrics as soon as it is known.
-  ReasoningDelta apply(Reply& reply, const TimedUpdate& u);
+  ReplyText apply(Reply& reply, const TimedUpdate& u);
   // The updates that came, after waiting for at least one; once the server has stopped and the
   // scheduler did not end the request within kStopGrace, an "abort" made here.
   std::vector<TimedUpdate> next_updates(UpdateQueue& queue, const Reply& reply);
@@ -350,7 +391,7 @@ void OpenAIServer::Impl::handle_generate(Endpoint endpoint, const httplib::Reque
           rendered = text.render_chat(api.chat);
         }
         prompt.ids = text.tokenizer.encode(rendered);
-        prompt.starts_in_reasoning = prompt_opens_reasoning(rendered);
+        prompt.starts_in_reasoning = prompt_opens_reasoning(rendered, format.think);
       } else if (api.prompt_is_ids) {
         for (size_t i = 0; i < api.prompt_ids.size(); ++i) {
           const int64_t id = api.prompt_ids[i];
@@ -405,8 +446,12 @@ void OpenAIServer::Impl::handle_generate(Endpoint endpoint, const httplib::Reque
     auto queue = std::make_shared<UpdateQueue>();
     request.on_update = [queue](const ServeUpdate& u) { queue->push(u); };
 
-    auto reply = std::make_shared<Reply>(make_header(endpoint, api.include_usage), arrival, prompt_len,
-                                         prompt.starts_in_reasoning);
+    ReplyHeader header = make_header(endpoint, api.include_usage);
+    std::optional<ToolCallParser> tool_calls;
+    if (api.read_tool_calls && format.tool_calls != ToolCallSyntax::kNone)
+      tool_calls.emplace(format.tool_calls, api.chat.tools, "call_" + header.id.substr(header.id.find('-') + 1) + "_");
+    auto reply = std::make_shared<Reply>(std::move(header), arrival, prompt_len, prompt.starts_in_reasoning,
+                                         format.think, std::move(tool_calls), api.parallel_tool_calls);
     uint64_t id = 0;
     {
       // Registered under the lock stop() cancels under: a request submitted while stopping is
@@ -453,9 +498,9 @@ void OpenAIServer::Impl::wait_reply(UpdateQueue& queue, Reply& reply) {
     for (const TimedUpdate& u : next_updates(queue, reply)) apply(reply, u);
 }
 
-ReasoningDelta OpenAIServer::Impl::apply(Reply& reply, const TimedUpdate& u) {
+ReplyText OpenAIServer::Impl::apply(Reply& reply, const TimedUpdate& u) {
   const bool first = reply.timings().first_token < 0;
-  ReasoningDelta delta = reply.apply(u);
+  ReplyText delta = reply.apply(u);
   if (first && reply.timings().first_token >= 0) metrics.record_first_token(reply.timings().first_token);
   return delta;
 }
@@ -465,7 +510,8 @@ void OpenAIServer::Impl::finish_request(uint64_t id, const Reply& reply) {
     std::lock_guard lock(active_mutex);
     active.erase(id);
   }
-  if (reply.finish_reason() == "stop" || reply.finish_reason() == "length") metrics.record_finished(reply.timings());
+  const std::string& finish = reply.finish_reason();
+  if (finish == "stop" || finish == "length" || finish == "tool_calls") metrics.record_finished(reply.timings());
 }
 
 void OpenAIServer::Impl::stream_reply(httplib::Response& res, uint64_t id, std::shared_ptr<UpdateQueue> queue,
@@ -484,10 +530,10 @@ void OpenAIServer::Impl::stream_reply(httplib::Response& res, uint64_t id, std::
       if (reply->chat() && !write(sse_event(chat_role_chunk(reply->header())))) return false;
       while (!reply->finished()) {
         for (const TimedUpdate& u : next_updates(*queue, *reply)) {
-          const ReasoningDelta delta = apply(*reply, u);
+          const ReplyText delta = apply(*reply, u);
           // Completions send a chunk per update that added tokens (its text may still be empty, held
           // back as incomplete UTF-8): a client times its first token by the first chunk.
-          const bool has_text = !delta.content.empty() || !delta.reasoning.empty();
+          const bool has_text = !delta.content.empty() || !delta.reasoning.empty() || !delta.tool_calls.empty();
           const bool send = has_text || (!reply->chat() && !u.update.tokens.empty());
           if (send && !write(sse_event(delta_chunk(reply->header(), delta, "")))) return false;
           if (reply->finished()) break;
@@ -544,6 +590,8 @@ OpenAIServer::~OpenAIServer() {
   std::lock_guard lock(stop_link_->mutex);
   stop_link_->server = nullptr;
 }
+
+const ReplyFormat& OpenAIServer::reply_format() const { return impl_->format; }
 
 int OpenAIServer::bind() {
   const ServerOptions& o = impl_->options;

@@ -2,7 +2,7 @@
 //
 //   POST /v1/completions        a prompt (text or token ids) -> text; stream: true for server-sent events
 //   POST /v1/chat/completions   messages, rendered with the model's chat template -> a message, its
-//                               thinking apart as reasoning_content
+//                               thinking apart as reasoning_content, its tool calls as tool_calls
 //   GET  /v1/models             the one model served
 //   GET  /health                200 while serving
 //   GET  /metrics               Prometheus text (serve/metrics.h)
@@ -16,6 +16,7 @@
 #include <memory>
 #include <string>
 
+#include "serve/reply_format.h"
 #include "text/text_model.h"
 #include "tpmoe/serving.h"
 
@@ -37,6 +38,9 @@ class OpenAIServer {
   ~OpenAIServer();
   OpenAIServer(const OpenAIServer&) = delete;
   OpenAIServer& operator=(const OpenAIServer&) = delete;
+
+  // How the model's replies mark reasoning and tool calls, as read off its chat template.
+  const ReplyFormat& reply_format() const;
 
   // Binds the listening socket and returns its port; throws tpmoe::Error naming host and port when
   // it cannot.
