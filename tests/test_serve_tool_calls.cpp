@@ -241,6 +241,11 @@ TEST(ReplyFormat, M3ReasoningTags) {
   const ThinkTags tags = reply_format_of_template(m3_template()).think;
   EXPECT_TRUE(prompt_opens_reasoning(prompt, tags));
   EXPECT_FALSE(prompt_opens_reasoning(prompt));  // <think> tags: not this model's
+  // Adaptive (the default) leaves the reply to open the block itself; the system prompt's mention of
+  // both tags does not open it.
+  request.extra = Json::object();
+  EXPECT_FALSE(prompt_opens_reasoning(
+      text::ChatTemplate::parse(m3_template()).render(text::make_chat_context(request, Json::object())), tags));
   ReasoningSplitter s(false, tags);
   ReasoningDelta d = s.feed("<mm:think>hm</mm:think>Hi <think>");
   const ReasoningDelta tail = s.flush();
