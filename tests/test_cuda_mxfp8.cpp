@@ -117,7 +117,10 @@ TEST(CudaMxfp8Linear, MatchesOracleAtAwkwardShapes) {
                         Shape{300, 130, 128}, Shape{2, 1024, 6144}, Shape{8, 6144, 1024},
                         // decode-sized M runs the GEMV: K not a multiple of its 512-wide pass, and
                         // activations past 48 KiB of shared memory (up to the 200 KiB it takes)
-                        Shape{5, 33, 8192}, Shape{8, 17, 12800}, Shape{7, 300, 544}}) {
+                        Shape{5, 33, 8192}, Shape{8, 17, 12800}, Shape{7, 300, 544},
+                        // few row tiles against a long k: the grouped GEMM splits k over a cluster
+                        // of CTAs (8 and 4 splits; K ending in half a 64-wide chunk; 5 token blocks)
+                        Shape{16, 128, 6144}, Shape{33, 72, 4128}, Shape{9, 40, 2048}, Shape{40, 64, 3072}}) {
     const std::vector<float> x = round_bf16(random_floats(size_t(s.M) * s.K, 1.f, 7 + s.M + s.K));
     const Mx w = random_mx({s.N, s.K}, 0.02f, 11 + s.N);
     const std::vector<float> want = linear_cpu(x, w.value, s.M, s.N, s.K);
@@ -140,6 +143,17 @@ TEST(CudaMxfp8Linear, ReadsWeightsThatAreOnlyEightByteAligned) {
   const std::vector<float> aligned = linear_gpu(x, w, M, N, K, true);
   expect_close(aligned, linear_cpu(x, w.value, M, N, K), 1e-5, "16-byte aligned weights");
   EXPECT_EQ(linear_gpu(x, w, M, N, K, true, 8), aligned) << "8-byte aligned weights";
+}
+
+// A k split adds its CTAs' sums in a fixed order, whichever CTA of the cluster adds them: the same
+// bits every run.
+TEST(CudaMxfp8Linear, SplitKGivesTheSameBitsEveryRun) {
+  TPMOE_REQUIRE_GPU();
+  const int M = 16, N = 128, K = 6144;  // a tp-8 rank's k_proj at 16 tokens: 8 splits
+  const std::vector<float> x = round_bf16(random_floats(size_t(M) * K, 1.f, 41));
+  const Mx w = random_mx({N, K}, 0.02f, 43);
+  const std::vector<float> first = linear_gpu(x, w, M, N, K, true);
+  for (int run = 0; run < 3; ++run) EXPECT_EQ(linear_gpu(x, w, M, N, K, true), first) << "run " << run;
 }
 
 // One-hot activations make out[m, n] = W[n, m] exactly: every e4m3 byte (NaN excepted) under every

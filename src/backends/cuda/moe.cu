@@ -65,7 +65,11 @@
 // scales in one 32-bit load when K/32 % 4 == 0), and widens them to bf16 in registers right before
 // the mma (dequant_e4m3x8: a bit shuffle and one bf16 multiply by 2^(s-7), exact). Decode bytes per
 // active row: 3*I*H*(1 + 1/32). The same GEMM also serves the MXFP8 linears (launch_fp8_linear: one
-// expert, tokens in order, no routing).
+// expert, tokens in order, no routing). A linear has only its own row tiles to spread (a tp-8 rank's
+// k_proj at 16 tokens: 8 CTAs, each walking all of k), so where they are few its k range is split
+// over a cluster of up to 8 CTAs a tile (kSplitK), which add their sums through distributed shared
+// memory in rank order: the bits do not depend on the schedule. 16 tokens of a tp-8 rank's MXFP8 step
+// went 18% faster with it (docs/PERF.md).
 //
 // Measured on an H200: see docs/PERF.md, bench_moe's tables (the whole layer, routing included, as
 // CUDA graphs with a cold L2, against a floor over the measured read bandwidth). Before this
@@ -77,6 +81,8 @@
 #include "backends/cuda/moe_gemv.cuh"
 #include "backends/cuda/route_top_k.cuh"
 #include "backends/cuda/weight_loads.cuh"
+
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cmath>
@@ -338,6 +344,11 @@ struct GemmParams {
   // y (fp32) or out_bf16; no slot weight.
   int linear_tokens = 0;
   uint16_t* out_bf16 = nullptr;
+  // Plain linear, split k (moe_gemm_kernel's kSplitK; gridDim.z == k_splits > 1, launched as
+  // clusters of k_splits CTAs along z): CTA z multiplies k chunks [z * split_chunks, (z + 1) *
+  // split_chunks) and the cluster adds its CTAs' sums in z order through distributed shared memory.
+  int k_splits = 1;
+  int split_chunks = 0;
   float alpha = 1.702f;
   float limit = 7.0f;
 };
@@ -385,8 +396,11 @@ __device__ __forceinline__ uint16_t f32_to_bf16_bits(float v) { return __bfloat1
 //          linear, out[row, n] = <b[row], W[n]>).
 // kFp8: the weights are MXFP8 (e4m3 bytes + E8M0 scale per 32 k), widened to bf16 in registers right
 // before their mma; everything else (tiles, split-K, reduction order) is the bf16 kernel's.
-template <bool kFp8, bool kGateUp, int NT>
+// kSplitK (plain linears only): this CTA takes k split blockIdx.z of gridDim.z, and its cluster adds
+// the splits (GemmParams::k_splits).
+template <bool kFp8, bool kGateUp, int NT, bool kSplitK = false>
 __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel(const GemmParams p) {
+  static_assert(!kSplitK || !kGateUp, "k splits are for plain linears");
   constexpr int MT = GemmShape<kFp8, kGateUp, NT>::MT;
   constexpr int U = GemmShape<kFp8, kGateUp, NT>::U;
   constexpr int kWBytes = kFp8 ? 1 : 2;
@@ -436,6 +450,10 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
   // and B use the same one: k = kChunk * c + kLaneK * t + i feeds the mma's k slots in order.
   constexpr int kChunk = kFp8 ? 64 : 32, kLaneK = kChunk / 4, kBWords = kLaneK / 8;
   const int num_chunks = (K + kChunk - 1) / kChunk;
+  // This CTA's k chunks: all of them, or its split's (split_chunks is even, so a step's first chunk
+  // stays even and the MXFP8 scale words below 4-block aligned).
+  const int c_begin = kSplitK ? int(blockIdx.z) * p.split_chunks : 0;
+  const int c_end = kSplitK ? min(num_chunks, c_begin + p.split_chunks) : num_chunks;
   const int scale_blocks = (K + 31) / 32;  // MXFP8: scale bytes a weight row
   const uint8_t* a_row[MT][2];
   const uint8_t* s_row[MT][2];  // MXFP8 only
@@ -477,7 +495,7 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
   constexpr int kScaleWords = kFp8 ? (U + 1) / 2 : 1;
   // Word loads of 4 scales need the block index 4-aligned: U % 2 == 0 (else byte loads).
   const bool scale_vec = p.scale_vec && U % 2 == 0;
-  for (int base = warp * U; base < num_chunks; base += kGemmWarps * U) {
+  for (int base = c_begin + warp * U; base < c_end; base += kGemmWarps * U) {
     uint4 a[U][MT][2];
     uint4 b[U][NT][kBWords];
     uint32_t sc[kScaleWords][MT][2];
@@ -486,7 +504,7 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
       const int chunk = base + u;
       const int k = chunk * kChunk + kLaneK * t;  // >= K past the last chunk: masked loads give zeros
       // MXFP8: K % 32 == 0, so a lane's 16 k are all in the row or all past it.
-      const bool live = chunk < num_chunks && (!kFp8 || k < K);
+      const bool live = chunk < c_end && (!kFp8 || k < K);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -523,7 +541,7 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (base + u >= num_chunks) break;
+      if (base + u >= c_end) break;
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -582,26 +600,59 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
     }
   } else {
     constexpr int kItems = MT * NT * 4 * 32;
-    for (int item = threadIdx.x; item < kItems; item += kGemmThreads) {
+    // Where item's sum goes, -1 past the block's tokens or rows: (column, output row).
+    auto place = [&](int item, int& col, int& n) {
       const int l = item & 31, rest = item >> 5;
       const int q = rest & 3, nt = (rest >> 2) % NT, mt = (rest >> 2) / NT;
-      const int col = nt * 8 + 2 * (l & 3) + (q & 1);
-      const int n = row0 + mt * 16 + (l >> 2) + 8 * (q >> 1);
-      if (col >= cnt || n >= p.rows) continue;
-      const int f = (mt * NT + nt) * 4 + q;
+      col = nt * 8 + 2 * (l & 3) + (q & 1);
+      n = row0 + mt * 16 + (l >> 2) + 8 * (q >> 1);
+      return col < cnt && n < p.rows;
+    };
+    auto store_linear = [&](int col, int n, float s) {
+      const size_t at = size_t(start + col) * p.rows + n;
+      if (p.out_bf16)
+        p.out_bf16[at] = f32_to_bf16_bits(s);
+      else
+        p.y[at] = s;
+    };
+    auto warps_sum = [&](int item) {
+      const int l = item & 31, f = item >> 5;
       float s = 0.f;
 #pragma unroll
       for (int wi = 0; wi < kGemmWarps; ++wi) s += red[wi][f][l];
-      if (p.num_blocks == nullptr) {  // plain linear
-        const size_t at = size_t(start + col) * p.rows + n;
-        if (p.out_bf16)
-          p.out_bf16[at] = f32_to_bf16_bits(s);
-        else
-          p.y[at] = s;
-        continue;
+      return s;
+    };
+    if constexpr (kSplitK) {
+      // The CTA's sums of every item into its shared memory; the cluster's CTAs then each finish a
+      // share of the items, adding the CTAs' sums in rank (= k split) order: the bits do not depend
+      // on which CTA adds them.
+      __shared__ float split_sum[kItems];
+      for (int item = threadIdx.x; item < kItems; item += kGemmThreads) split_sum[item] = warps_sum(item);
+      namespace cg = cooperative_groups;
+      cg::cluster_group cluster = cg::this_cluster();
+      cluster.sync();  // every CTA's sums are in its shared memory
+      const int splits = int(cluster.num_blocks()), rank = int(cluster.block_rank());
+      const int share = (kItems + splits - 1) / splits;
+      for (int item = rank * share + threadIdx.x; item < min(kItems, (rank + 1) * share); item += kGemmThreads) {
+        int col, n;
+        if (!place(item, col, n)) continue;
+        float s = 0.f;
+        for (int z = 0; z < splits; ++z) s += cluster.map_shared_rank(split_sum, z)[item];
+        store_linear(col, n, s);
       }
-      const int pair = p.perm[start + col];
-      p.y[size_t(pair) * p.rows + n] = p.slot_weights[pair] * s;
+      cluster.sync();  // no CTA leaves while another still reads its shared memory
+    } else {
+      for (int item = threadIdx.x; item < kItems; item += kGemmThreads) {
+        int col, n;
+        if (!place(item, col, n)) continue;
+        const float s = warps_sum(item);
+        if (p.num_blocks == nullptr) {  // plain linear
+          store_linear(col, n, s);
+        } else {
+          const int pair = p.perm[start + col];
+          p.y[size_t(pair) * p.rows + n] = p.slot_weights[pair] * s;
+        }
+      }
     }
   }
 }
@@ -695,6 +746,59 @@ void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, 
     go(fp8 ? moe_gemm_kernel<true, kGateUp, 2> : moe_gemm_kernel<false, kGateUp, 2>, rows_per_cta<kGateUp, 2>());
   else
     go(fp8 ? moe_gemm_kernel<true, kGateUp, 4> : moe_gemm_kernel<false, kGateUp, 4>, rows_per_cta<kGateUp, 4>());
+}
+
+// A plain linear's grouped GEMM (GemmParams::linear_tokens), its k split over clusters of
+// gp.k_splits CTAs along z when gp.k_splits > 1 (the CTAs of a cluster add their sums through
+// distributed shared memory, moe_gemm_kernel).
+void launch_linear_gemm(int nt, const GemmParams& gp, unsigned token_blocks, KernelStream on) {
+  auto go = [&](auto kernel, int rows_per) {
+    const dim3 grid(token_blocks, unsigned((gp.rows + rows_per - 1) / rows_per), unsigned(gp.k_splits));
+    check_arg(grid.y <= 65535, "launch_fp8_linear: N too large for the grid");
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kGemmThreads);
+    cfg.stream = on.stream;
+    cudaLaunchAttribute attr[2];
+    int n = 0;
+    if (on.pdl) {
+      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      attr[n++].val.programmaticStreamSerializationAllowed = 1;
+    }
+    if (gp.k_splits > 1) {
+      attr[n].id = cudaLaunchAttributeClusterDimension;
+      attr[n++].val.clusterDim = {1, 1, unsigned(gp.k_splits)};
+    }
+    cfg.attrs = attr;
+    cfg.numAttrs = unsigned(n);
+    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, gp));
+  };
+  const bool split = gp.k_splits > 1;
+  if (nt == 1)
+    go(split ? moe_gemm_kernel<true, false, 1, true> : moe_gemm_kernel<true, false, 1>, rows_per_cta<false, 1>());
+  else if (nt == 2)
+    go(split ? moe_gemm_kernel<true, false, 2, true> : moe_gemm_kernel<true, false, 2>, rows_per_cta<false, 2>());
+  else
+    go(split ? moe_gemm_kernel<true, false, 4, true> : moe_gemm_kernel<true, false, 4>, rows_per_cta<false, 4>());
+}
+
+// The k split of a plain linear: where its token blocks x row tiles leave most of the GPU idle
+// (decode-sized M against a narrow N: a tp-8 rank's k_proj is 128 rows, 4 tiles of 32), the k range
+// is cut over up to kMaxLinearSplits CTAs a tile, as long as each keeps a whole step (4 warps x U
+// chunks) of work. Returns the split count; *split_chunks the chunks each takes (even).
+constexpr int kMaxLinearSplits = 8;  // the portable cluster size
+int choose_linear_splits(int64_t tiles, int num_chunks, int chunks_per_step, int* split_chunks) {
+  static const int target = [] {
+    int device = 0, sms = 0;
+    CUDA_CHECK(cudaGetDevice(&device));
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    return 2 * sms;  // two resident CTAs an SM: enough loads in flight for a weight stream
+  }();
+  int splits = 1;
+  while (splits < kMaxLinearSplits && tiles * splits < target && num_chunks / (2 * splits) >= chunks_per_step)
+    splits *= 2;
+  *split_chunks = ((num_chunks + splits - 1) / splits + 1) / 2 * 2;
+  return splits;
 }
 
 // MXFP8 operands the kernels can read: K a multiple of 32 (whole scale blocks, whole 8-byte loads),
@@ -881,6 +985,7 @@ void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on) {
   }
   // The token block as launch_moe picks it for the same number of (token, expert) pairs.
   const int block_m = p.M <= 64 ? 8 : p.M <= 128 ? 16 : 32;
+  const int nt = block_m / 8;
   GemmParams gp;
   gp.w = p.w;
   gp.w_scale = p.w_scale;
@@ -897,7 +1002,16 @@ void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on) {
   else
     gp.out_bf16 = static_cast<uint16_t*>(p.out);
   const unsigned blocks = unsigned((p.M + block_m - 1) / block_m);
-  launch_gemm<false>(block_m / 8, gp, blocks, p.N, on.with_pdl(false));
+  static_assert(rows_per_cta<false, 1>() == rows_per_cta<false, 2>() &&
+                rows_per_cta<false, 2>() == rows_per_cta<false, 4>());
+  constexpr int kLinearRows = rows_per_cta<false, 1>();  // output rows a CTA, whatever the token block
+  const int step_u = nt == 1   ? GemmShape<true, false, 1>::U
+                     : nt == 2 ? GemmShape<true, false, 2>::U
+                               : GemmShape<true, false, 4>::U;
+  const int64_t tiles = int64_t(blocks) * ((p.N + kLinearRows - 1) / kLinearRows);
+  gp.k_splits = choose_linear_splits(tiles, (p.K + 63) / 64, kGemmWarps * step_u, &gp.split_chunks);
+  // PDL as launch_moe uses it: up to 64 tokens.
+  launch_linear_gemm(nt, gp, blocks, on.with_pdl(p.M <= 64));
 }
 
 void launch_scatter_add_weighted(const float* y, const int32_t* token, const float* w, int n, int hidden, float* acc,

@@ -93,6 +93,9 @@ void launch_moe(const MoeKernelParams& p, KernelStream on);
 // every token is routed to in order (no routing, no slot weights). FP8 stays in memory and is widened
 // to bf16 in registers; bf16 mma, fp32 accumulation, bf16 or fp32 out. Decode reads N*K*(1 + 1/32)
 // bytes of weights once. K % 32 == 0; any M, N. Decode-sized M (<= 8) runs the GEMV of gemv.cuh.
+// Where the token blocks times the 32-row tiles would leave most SMs idle (a few tokens against a
+// narrow N: a tp-8 rank's k_proj is 4 tiles), the k range is split over a cluster of up to 8 CTAs a
+// tile, which add their sums through distributed shared memory in a fixed order (deterministic).
 struct Fp8LinearParams {
   const __nv_bfloat16* x = nullptr;  // [M, K]
   const uint8_t* w = nullptr;        // [N, K] e4m3
