@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds tpmoe on a GPU machine from a copy of the tree (the device tool's machine): CMake finds
-# the header-only dependencies in .devdeps/ (scripts/device_deps.sh) and NCCL where NCCL_ROOT (or the
-# first arg) says; the binary records that NCCL (RPATH) and refuses another at start.
+# the header-only dependencies in .devdeps/ (scripts/device_deps.sh) and NCCL where NCCL_ROOT says
+# (else the NCCL of the device's torch); the binary records that NCCL (RPATH) and refuses another at
+# start.
 #   scripts/device_build.sh [BUILD_DIR [TARGET...]]   (every target unless some are named)
 set -euo pipefail
 cd "$(dirname "$0")/.."
