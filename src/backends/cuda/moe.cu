@@ -600,7 +600,7 @@ __global__ void __launch_bounds__(kGemmThreads, NT == 1 ? 4 : 3) moe_gemm_kernel
     }
   } else {
     constexpr int kItems = MT * NT * 4 * 32;
-    // Where item's sum goes, -1 past the block's tokens or rows: (column, output row).
+    // Where an item's sum goes (its token column and output row); false past the block's tokens or rows.
     auto place = [&](int item, int& col, int& n) {
       const int l = item & 31, rest = item >> 5;
       const int q = rest & 3, nt = (rest >> 2) % NT, mt = (rest >> 2) / NT;
