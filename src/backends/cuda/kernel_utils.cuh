@@ -39,20 +39,34 @@ __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.lau
 
 // Launches `kernel` on on.stream, with the programmatic-stream-serialization attribute when on.pdl
 // (kernel_stream.h), a plain launch otherwise; the kernel must keep the pdl_wait contract above
-// either way.
+// either way. cluster_z > 1 launches clusters of that many CTAs along z (grid.z a multiple of it),
+// whose CTAs are resident together and may read each other's shared memory.
 template <class... KArgs, class... Args>
-void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, KernelStream on, Args&&... args) {
+void launch_pdl_clusters(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, KernelStream on,
+                         unsigned cluster_z, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = on.stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (on.pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster_z > 1) {
+    attr[n].id = cudaLaunchAttributeClusterDimension;
+    attr[n++].val.clusterDim = {1, 1, cluster_z};
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = on.pdl ? 1 : 0;
+  cfg.numAttrs = n;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+template <class... KArgs, class... Args>
+void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, KernelStream on, Args&&... args) {
+  launch_pdl_clusters(kernel, grid, block, smem, on, 1u, std::forward<Args>(args)...);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -68,8 +68,8 @@
 // expert, tokens in order, no routing). A linear has only its own row tiles to spread (a tp-8 rank's
 // k_proj at 16 tokens: 8 CTAs, each walking all of k), so where they are few its k range is split
 // over a cluster of up to 8 CTAs a tile (kSplitK), which add their sums through distributed shared
-// memory in rank order: the bits do not depend on the schedule. 16 tokens of a tp-8 rank's MXFP8 step
-// went 18% faster with it (docs/PERF.md).
+// memory in rank order: the bits do not depend on the schedule. An 8-layer tp-8 rank's MXFP8 step of
+// 16 tokens went 18% faster with it (docs/PERF.md).
 //
 // Measured on an H200: see docs/PERF.md, bench_moe's tables (the whole layer, routing included, as
 // CUDA graphs with a cold L2, against a floor over the measured read bandwidth). Before this
@@ -755,23 +755,7 @@ void launch_linear_gemm(int nt, const GemmParams& gp, unsigned token_blocks, Ker
   auto go = [&](auto kernel, int rows_per) {
     const dim3 grid(token_blocks, unsigned((gp.rows + rows_per - 1) / rows_per), unsigned(gp.k_splits));
     check_arg(grid.y <= 65535, "launch_fp8_linear: N too large for the grid");
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kGemmThreads);
-    cfg.stream = on.stream;
-    cudaLaunchAttribute attr[2];
-    int n = 0;
-    if (on.pdl) {
-      attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-      attr[n++].val.programmaticStreamSerializationAllowed = 1;
-    }
-    if (gp.k_splits > 1) {
-      attr[n].id = cudaLaunchAttributeClusterDimension;
-      attr[n++].val.clusterDim = {1, 1, unsigned(gp.k_splits)};
-    }
-    cfg.attrs = attr;
-    cfg.numAttrs = unsigned(n);
-    CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, gp));
+    launch_pdl_clusters(kernel, grid, dim3(kGemmThreads), 0, on, unsigned(gp.k_splits), gp);
   };
   const bool split = gp.k_splits > 1;
   if (nt == 1)
