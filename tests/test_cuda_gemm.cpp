@@ -1,8 +1,10 @@
-// Dense projections through cuBLASLt (Gemm::linear) and the decode GEMV (launch_gemv) against the
+// Dense projections through cuBLASLt (Gemm::linear), the grouped GEMM as a linear (launch_bf16_linear,
+// its k split over a cluster where the tiles are few) and the decode GEMV (launch_gemv) against the
 // CPU oracle's linear, at awkward shapes: batch 1, 3, 19; widths that are not multiples of the vector
 // width; bf16 and fp32 outputs.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <deque>
 #include <string>
@@ -11,6 +13,7 @@
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/gemm.h"
 #include "backends/cuda/gemv.cuh"
+#include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
 #include "core/error.h"
 #include "cuda_test_util.h"
@@ -51,11 +54,32 @@ TEST_P(CudaGemm, LinearMatchesCpu) {
   gemm.linear(dx.get(), dw.get(), out_bf16.get(), false, M, N, K, nullptr);
   EXPECT_LT(test::relative_l2(out_f32.download(), want), kTolFp32Output);
   EXPECT_LT(test::relative_l2(test::from_bf16(out_bf16.download()), want), test::kTolBf16);
+
+  // The grouped GEMM as a linear (fresh, poisoned outputs: every element must be written), twice:
+  // a k split adds its CTAs' sums in a fixed order, so the bits repeat.
+  for (bool f32 : {true, false}) {
+    std::vector<float> runs[2];
+    for (auto& got : runs) {
+      test::DeviceBuffer<float> o32(size_t(M) * N);
+      test::DeviceBuffer<__nv_bfloat16> o16(size_t(M) * N);
+      cuda::launch_bf16_linear({dx.get(), dw.get(), f32 ? static_cast<void*>(o32.get()) : o16.get(), f32, M, N, K},
+                               nullptr);
+      got = f32 ? o32.download() : test::from_bf16(o16.download());
+    }
+    size_t not_finite = 0;
+    for (float v : runs[0]) not_finite += !std::isfinite(v);
+    EXPECT_EQ(not_finite, 0u) << "launch_bf16_linear left elements unwritten, out " << (f32 ? "f32" : "bf16");
+    EXPECT_LT(test::relative_l2(runs[0], want), f32 ? kTolFp32Output : test::kTolBf16) << "launch_bf16_linear";
+    EXPECT_EQ(runs[0], runs[1]) << "launch_bf16_linear: the same bits every run";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                          ::testing::Values(Shape{1, 8, 16}, Shape{3, 100, 72}, Shape{19, 384, 128},
-                                           Shape{1, 6144, 8192}, Shape{19, 512, 6144}, Shape{64, 257, 136}),
+                                           Shape{1, 6144, 8192}, Shape{19, 512, 6144}, Shape{64, 257, 136},
+                                           // a tp-8 rank's k_proj and q_proj at 16 and 40 tokens (k
+                                           // split 8 and 4 ways), K off the 8-wide loads
+                                           Shape{16, 128, 6144}, Shape{40, 1024, 6144}, Shape{10, 7, 4100}),
                          [](const auto& info) {
                            return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" +
                                   std::to_string(info.param.K);

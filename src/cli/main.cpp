@@ -99,8 +99,8 @@ struct ModelFlags {
     app->add_option("--pdl", pdl, "cuda: programmatic dependent launch between a step's kernels, on|off")
         ->check(CLI::IsMember({"on", "off"}));
     app->add_option("--decode-gemv", decode_gemv,
-                    "cuda: linears of <= 8 tokens and the MoE of one token on tpmoe's GEMVs (off: cuBLASLt "
-                    "and the grouped GEMM), on|off")
+                    "cuda: linears of <= 8 tokens and the MoE of one token on tpmoe's GEMVs, bf16 linears of "
+                    "9-16 tokens on its split-k GEMM (off: cuBLASLt and the grouped GEMM), on|off")
         ->check(CLI::IsMember({"on", "off"}));
   }
   std::string resolved_device() const { return device.empty() ? default_device() : device; }

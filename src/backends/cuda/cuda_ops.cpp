@@ -400,6 +400,12 @@ void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
     return;
   }
   expect(weight, DType::kBF16, "linear weight");
+  if (decode_gemv_ && x.dim(0) <= kSplitKLinearMaxM) {  // a few tokens: the split-k grouped GEMM (moe.cuh)
+    launch_bf16_linear(
+        {bf16(x), bf16(weight), out.data, out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)), int(x.dim(1))},
+        kernels_);
+    return;
+  }
   gemm_.linear(bf16(x), bf16(weight), out.data, out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)),
                int(x.dim(1)), stream_);
 }

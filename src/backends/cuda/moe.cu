@@ -65,11 +65,12 @@
 // scales in one 32-bit load when K/32 % 4 == 0), and widens them to bf16 in registers right before
 // the mma (dequant_e4m3x8: a bit shuffle and one bf16 multiply by 2^(s-7), exact). Decode bytes per
 // active row: 3*I*H*(1 + 1/32). The same GEMM also serves the MXFP8 linears (launch_fp8_linear: one
-// expert, tokens in order, no routing). A linear has only its own row tiles to spread (a tp-8 rank's
-// k_proj at 16 tokens: 8 CTAs, each walking all of k), so where they are few its k range is split
-// over a cluster of up to 8 CTAs a tile (kSplitK), which add their sums through distributed shared
-// memory in rank order: the bits do not depend on the schedule. An 8-layer tp-8 rank's MXFP8 step of
-// 16 tokens went 18% faster with it (docs/PERF.md).
+// expert, tokens in order, no routing) and the bf16 linears of a few tokens (launch_bf16_linear). A
+// linear has only its own row tiles to spread (a tp-8 rank's k_proj at 16 tokens: 8 CTAs, each
+// walking all of k), so where they are few its k range is split over a cluster of up to 8 CTAs a
+// tile (kSplitK), which add their sums through distributed shared memory in rank order: the bits do
+// not depend on the schedule. An 8-layer tp-8 rank's MXFP8 step of 16 tokens went 18% faster with it
+// (docs/PERF.md).
 //
 // Measured on an H200: see docs/PERF.md, bench_moe's tables (the whole layer, routing included, as
 // CUDA graphs with a cold L2, against a floor over the measured read bandwidth). Before this
@@ -751,19 +752,20 @@ void launch_gemm(int nt, const GemmParams& gp, unsigned blocks, int rows_total, 
 // A plain linear's grouped GEMM (GemmParams::linear_tokens), its k split over clusters of
 // gp.k_splits CTAs along z when gp.k_splits > 1 (the CTAs of a cluster add their sums through
 // distributed shared memory, moe_gemm_kernel).
+template <bool kFp8>
 void launch_linear_gemm(int nt, const GemmParams& gp, unsigned token_blocks, KernelStream on) {
   auto go = [&](auto kernel, int rows_per) {
     const dim3 grid(token_blocks, unsigned((gp.rows + rows_per - 1) / rows_per), unsigned(gp.k_splits));
-    check_arg(grid.y <= 65535, "launch_fp8_linear: N too large for the grid");
+    check_arg(grid.y <= 65535, "a linear on the grouped GEMM: N too large for the grid");
     launch_pdl_clusters(kernel, grid, dim3(kGemmThreads), 0, on, unsigned(gp.k_splits), gp);
   };
   const bool split = gp.k_splits > 1;
   if (nt == 1)
-    go(split ? moe_gemm_kernel<true, false, 1, true> : moe_gemm_kernel<true, false, 1>, rows_per_cta<false, 1>());
+    go(split ? moe_gemm_kernel<kFp8, false, 1, true> : moe_gemm_kernel<kFp8, false, 1>, rows_per_cta<false, 1>());
   else if (nt == 2)
-    go(split ? moe_gemm_kernel<true, false, 2, true> : moe_gemm_kernel<true, false, 2>, rows_per_cta<false, 2>());
+    go(split ? moe_gemm_kernel<kFp8, false, 2, true> : moe_gemm_kernel<kFp8, false, 2>, rows_per_cta<false, 2>());
   else
-    go(split ? moe_gemm_kernel<true, false, 4, true> : moe_gemm_kernel<true, false, 4>, rows_per_cta<false, 4>());
+    go(split ? moe_gemm_kernel<kFp8, false, 4, true> : moe_gemm_kernel<kFp8, false, 4>, rows_per_cta<false, 4>());
 }
 
 // The k split of a plain linear: where its token blocks x row tiles leave most of the GPU idle
@@ -805,6 +807,52 @@ void check_route(const RouteKernelParams& p, const std::string& who) {
             who + ": top_k must be in [1, min(32, num_experts)]");
   check_arg(p.num_shared >= 0, who + ": num_shared < 0");
   check_arg(!p.routed_flags || p.num_real_tokens, who + ": routed_flags need num_real_tokens");
+}
+
+// A plain linear on the grouped GEMM: x [M, K] times w [N, K] (bf16, or MXFP8 with w_scale), into
+// out (fp32 or bf16), in token blocks of block_m, its k split where the tiles are few
+// (choose_linear_splits). PDL as launch_moe uses it: up to 64 tokens.
+struct GemmLinear {
+  const __nv_bfloat16* x;
+  const void* w;
+  const uint8_t* w_scale;  // MXFP8 only
+  void* out;
+  bool out_f32;
+  int M, N, K;
+};
+template <bool kFp8>
+void launch_gemm_linear(const GemmLinear& l, int block_m, KernelStream on) {
+  const int nt = block_m / 8;
+  GemmParams gp;
+  gp.w = l.w;
+  gp.w_scale = l.w_scale;
+  if constexpr (kFp8) {
+    gp.scale_vec = scale_words_ok(l.w_scale, l.K);
+    gp.w_vec16 = aligned16(l.w);
+  }
+  gp.b = reinterpret_cast<const uint16_t*>(l.x);
+  gp.K = l.K;
+  gp.rows = l.N;
+  gp.block_m = block_m;
+  // bf16 weights take 16-byte loads only when every row starts 16-byte aligned (MXFP8's own checks
+  // are w_vec16 and scale_vec).
+  gp.vec = l.K % 8 == 0 && aligned16(l.x) && (kFp8 || aligned16(l.w));
+  gp.linear_tokens = l.M;
+  if (l.out_f32)
+    gp.y = static_cast<float*>(l.out);
+  else
+    gp.out_bf16 = static_cast<uint16_t*>(l.out);
+  const unsigned blocks = unsigned((l.M + block_m - 1) / block_m);
+  static_assert(rows_per_cta<false, 1>() == rows_per_cta<false, 2>() &&
+                rows_per_cta<false, 2>() == rows_per_cta<false, 4>());
+  constexpr int kLinearRows = rows_per_cta<false, 1>();  // output rows a CTA, whatever the token block
+  const int step_u = nt == 1   ? GemmShape<kFp8, false, 1>::U
+                     : nt == 2 ? GemmShape<kFp8, false, 2>::U
+                               : GemmShape<kFp8, false, 4>::U;
+  constexpr int kChunk = kFp8 ? 64 : 32;  // k a chunk (moe_gemm_kernel)
+  const int64_t tiles = int64_t(blocks) * ((l.N + kLinearRows - 1) / kLinearRows);
+  gp.k_splits = choose_linear_splits(tiles, (l.K + kChunk - 1) / kChunk, kGemmWarps * step_u, &gp.split_chunks);
+  launch_linear_gemm<kFp8>(nt, gp, blocks, on.with_pdl(l.M <= 64));
 }
 
 }  // namespace
@@ -967,35 +1015,19 @@ void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on) {
     launch_gemv(gemv, on);
     return;
   }
-  // The token block as launch_moe picks it for the same number of (token, expert) pairs.
+  // The token block as launch_moe picks it for the same number of (token, expert) pairs (larger
+  // blocks measured no faster here: docs/PERF.md).
   const int block_m = p.M <= 64 ? 8 : p.M <= 128 ? 16 : 32;
-  const int nt = block_m / 8;
-  GemmParams gp;
-  gp.w = p.w;
-  gp.w_scale = p.w_scale;
-  gp.scale_vec = scale_words_ok(p.w_scale, p.K);
-  gp.w_vec16 = aligned16(p.w);
-  gp.b = reinterpret_cast<const uint16_t*>(p.x);
-  gp.K = p.K;
-  gp.rows = p.N;
-  gp.block_m = block_m;
-  gp.vec = p.K % 8 == 0 && aligned16(p.x);
-  gp.linear_tokens = p.M;
-  if (p.out_f32)
-    gp.y = static_cast<float*>(p.out);
-  else
-    gp.out_bf16 = static_cast<uint16_t*>(p.out);
-  const unsigned blocks = unsigned((p.M + block_m - 1) / block_m);
-  static_assert(rows_per_cta<false, 1>() == rows_per_cta<false, 2>() &&
-                rows_per_cta<false, 2>() == rows_per_cta<false, 4>());
-  constexpr int kLinearRows = rows_per_cta<false, 1>();  // output rows a CTA, whatever the token block
-  const int step_u = nt == 1   ? GemmShape<true, false, 1>::U
-                     : nt == 2 ? GemmShape<true, false, 2>::U
-                               : GemmShape<true, false, 4>::U;
-  const int64_t tiles = int64_t(blocks) * ((p.N + kLinearRows - 1) / kLinearRows);
-  gp.k_splits = choose_linear_splits(tiles, (p.K + 63) / 64, kGemmWarps * step_u, &gp.split_chunks);
-  // PDL as launch_moe uses it: up to 64 tokens.
-  launch_linear_gemm(nt, gp, blocks, on.with_pdl(p.M <= 64));
+  launch_gemm_linear<true>({p.x, p.w, p.w_scale, p.out, p.out_f32, p.M, p.N, p.K}, block_m, on);
+}
+
+void launch_bf16_linear(const Bf16LinearParams& p, KernelStream on) {
+  check_arg(p.M >= 0 && p.N >= 1 && p.K >= 1, "launch_bf16_linear: need M >= 0, N >= 1, K >= 1");
+  check_arg(p.x != nullptr && p.w != nullptr && p.out != nullptr, "launch_bf16_linear: x, w and out must be set");
+  check_arg(p.out != static_cast<const void*>(p.x), "launch_bf16_linear: out must not alias x");
+  if (p.M == 0) return;
+  const int block_m = p.M <= 8 ? 8 : p.M <= 16 ? 16 : 32;
+  launch_gemm_linear<false>({p.x, p.w, nullptr, p.out, p.out_f32, p.M, p.N, p.K}, block_m, on);
 }
 
 void launch_scatter_add_weighted(const float* y, const int32_t* token, const float* w, int n, int hidden, float* acc,

@@ -106,6 +106,18 @@ struct Fp8LinearParams {
 };
 void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on);
 
+// The same grouped GEMM (split k included) for a bf16 linear, out[M, N] = x[M, K] W[N, K]^T, fp32
+// accumulation, bf16 or fp32 out, deterministic. Any M, N, K >= 1. CudaOps runs it for 9 to 16
+// tokens instead of cuBLASLt (measured faster there, slower from 32 tokens: docs/PERF.md).
+struct Bf16LinearParams {
+  const __nv_bfloat16* x = nullptr;  // [M, K]
+  const __nv_bfloat16* w = nullptr;  // [N, K]
+  void* out = nullptr;               // [M, N] bf16, or fp32 when out_f32
+  bool out_f32 = false;
+  int M = 0, N = 0, K = 0;
+};
+void launch_bf16_linear(const Bf16LinearParams& p, KernelStream on);
+
 // Helpers for the per-expert cuBLAS baseline of bench/bench_moe (not used by the engine):
 // acc[token[r], :] += w[r] * y[r, :] for r < n (fp32 atomics), and out = bf16(scale * in).
 void launch_scatter_add_weighted(const float* y, const int32_t* token, const float* w, int n, int hidden, float* acc,
