@@ -92,7 +92,7 @@ void expect_calls(const ToolCallDelta& got, const Json& calls, const std::string
   for (size_t i = 0; i < calls.size(); ++i) {
     EXPECT_EQ(got.calls[i].index, int(i)) << context;
     EXPECT_EQ(got.calls[i].id, "call_t_" + std::to_string(i)) << context;
-    EXPECT_EQ(got.calls[i].name, calls[i]["function"]["name"]) << context;
+    EXPECT_EQ(got.calls[i].name, calls[i]["function"]["name"].get<std::string>()) << context;
     EXPECT_EQ(got.calls[i].arguments, calls[i]["function"]["arguments"]) << context;
     EXPECT_EQ(got.calls[i].arguments.dump(), calls[i]["function"]["arguments"].dump()) << context << ": key order";
   }
