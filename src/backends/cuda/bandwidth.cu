@@ -9,6 +9,7 @@
 
 #include "backends/cuda/bandwidth.cuh"
 #include "backends/cuda/cuda_check.h"
+#include "backends/cuda/kernel_utils.cuh"
 
 namespace tpmoe::cuda {
 
@@ -61,10 +62,7 @@ double median_rate(double bytes, Op op) {
 }  // namespace
 
 size_t read_stream_sink_words() {
-  int sms = 0, device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return size_t(sms) * 4;  // the stream's blocks: four of 512 threads an SM
+  return size_t(sm_count()) * 4;  // the stream's blocks: four of 512 threads an SM
 }
 
 void launch_read_stream(const void* data, size_t bytes, uint32_t* sink, cudaStream_t stream) {

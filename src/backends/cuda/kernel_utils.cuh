@@ -64,6 +64,16 @@ void launch_pdl_clusters(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
+// The current device's SM count (a host query, no sync; fine inside a graph capture): launchers size
+// their grids and splits from it per launch, so a process driving GPUs of different kinds gets each
+// one's own.
+inline int sm_count() {
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 template <class... KArgs, class... Args>
 void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, KernelStream on, Args&&... args) {
   launch_pdl_clusters(kernel, grid, block, smem, on, 1u, std::forward<Args>(args)...);

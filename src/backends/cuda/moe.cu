@@ -774,12 +774,7 @@ void launch_linear_gemm(int nt, const GemmParams& gp, unsigned token_blocks, Ker
 // chunks) of work. Returns the split count; *split_chunks the chunks each takes (even).
 constexpr int kMaxLinearSplits = 8;  // the portable cluster size
 int choose_linear_splits(int64_t tiles, int num_chunks, int chunks_per_step, int* split_chunks) {
-  static const int target = [] {
-    int device = 0, sms = 0;
-    CUDA_CHECK(cudaGetDevice(&device));
-    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    return 2 * sms;  // two resident CTAs an SM: enough loads in flight for a weight stream
-  }();
+  const int target = 2 * sm_count();  // two resident CTAs an SM: enough loads in flight for a weight stream
   int splits = 1;
   while (splits < kMaxLinearSplits && tiles * splits < target && num_chunks / (2 * splits) >= chunks_per_step)
     splits *= 2;

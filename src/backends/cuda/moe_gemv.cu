@@ -551,13 +551,6 @@ constexpr int kGateLoads = 2, kDownRows = 4, kDownLoads = 2;
 constexpr int kSlotSplitGroupsPerSm = 2;
 constexpr int kMaxDevices = 64;
 
-int sm_count() {
-  int device = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 // Blocks of `kernel` (kWarps warps, no dynamic shared memory) resident at once on the current
 // device, of `sms` SMs: the grid of the looping kernels above. The occupancy query runs once per
 // kernel and device (a template per kernel: one per kernel type would share the answer between
