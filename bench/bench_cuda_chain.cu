@@ -12,8 +12,10 @@
 //   persistent  one cooperative kernel of the same G blocks and N phases, each ending in a grid
 //               barrier (an arrival count in global memory, release/acquire).
 // Each link or phase reads `--bytes` fresh bytes (distinct every link, like a GEMV's weights; 0: the
-// dependency alone), split evenly over the blocks with 16-byte loads. The time per link is the
-// median replay over N; the word chain is checked at the end (a wrong count is an error).
+// dependency alone), split evenly over the blocks with 16-byte loads. Those loads are not tuned for
+// bandwidth (128 threads a block, no unrolling): with bytes, the rows compare the two handovers
+// under the same work, not the memory. The time per link is the median replay over N; the word
+// chain is checked at the end (a wrong count is an error).
 //
 //   bench_cuda_chain [--links N] [--bytes B] [--blocks G,G,...]
 #include <cuda_runtime.h>
@@ -21,7 +23,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
