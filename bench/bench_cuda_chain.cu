@@ -11,13 +11,15 @@
 //   chain -pdl  the same graph without the PDL attribute;
 //   persistent  one cooperative kernel of the same G blocks and N phases, each ending in a grid
 //               barrier (an arrival count in global memory, release/acquire).
+// `--chase R` adds R dependent loads a link (each at the address the last returned, from L2), done
+// by each block's first thread: the cost of one step of a kernel's own dependent chain.
 // Each link or phase reads `--bytes` fresh bytes (distinct every link, like a GEMV's weights; 0: the
 // dependency alone), split evenly over the blocks with 16-byte loads. Those loads are not tuned for
 // bandwidth (128 threads a block, no unrolling): with bytes, the rows compare the two handovers
 // under the same work, not the memory. The time per link is the median replay over N; the word
 // chain is checked at the end (a wrong count is an error).
 //
-//   bench_cuda_chain [--links N] [--bytes B] [--blocks G,G,...]
+//   bench_cuda_chain [--links N] [--bytes B] [--chase R] [--blocks G,G,...]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,7 +48,20 @@ struct LinkArgs {
   size_t words_per_link = 0;    // 16-byte words each link reads, over all blocks
   unsigned* words = nullptr;    // the chain: link i reads words[i], block 0 writes words[i + 1]
   unsigned* sink = nullptr;     // written only when the loads fold to an unlikely value: keeps them
+  const unsigned* cycle = nullptr;  // kCycleLength indices forming one cycle (--chase)
+  int chase = 0;                    // dependent loads a link, one after another, by each block's first thread
 };
+
+constexpr unsigned kCycleLength = 4096;  // 16 KiB: in L2 after the first link
+
+// `a.chase` loads, each at the index the one before returned (ld.global.cg: from L2, not L1): what a
+// kernel's chain of dependent memory accesses costs, one access at a time.
+__device__ unsigned chase(const LinkArgs& a, int link) {
+  unsigned i = unsigned(link) % kCycleLength;
+  if (threadIdx.x == 0)
+    for (int k = 0; k < a.chase; ++k) i = __ldcg(a.cycle + i);
+  return i;
+}
 
 // Block b's share of link i's bytes, folded into one word.
 __device__ unsigned read_share(const LinkArgs& a, int link) {
@@ -63,7 +78,7 @@ __device__ unsigned read_share(const LinkArgs& a, int link) {
 __global__ void __launch_bounds__(kThreads) link_kernel(LinkArgs a, int link) {
   pdl_wait();
   const unsigned prev = *reinterpret_cast<volatile unsigned*>(a.words + link);
-  const unsigned acc = read_share(a, link);
+  const unsigned acc = read_share(a, link) ^ chase(a, link);
   if (acc == 0x9e3779b9u) atomicXor(a.sink, acc);
   if (blockIdx.x == 0 && threadIdx.x == 0) a.words[link + 1] = prev + 1;
   pdl_trigger();
@@ -87,7 +102,7 @@ __device__ void grid_barrier(unsigned* count, unsigned target) {
 __global__ void __launch_bounds__(kThreads) persistent_kernel(LinkArgs a, int links, unsigned* count) {
   for (int link = 0; link < links; ++link) {
     const unsigned prev = *reinterpret_cast<volatile unsigned*>(a.words + link);
-    const unsigned acc = read_share(a, link);
+    const unsigned acc = read_share(a, link) ^ chase(a, link);
     if (acc == 0x9e3779b9u) atomicXor(a.sink, acc);
     if (blockIdx.x == 0 && threadIdx.x == 0) a.words[link + 1] = prev + 1;
     grid_barrier(count, unsigned(link + 1) * gridDim.x);
@@ -184,7 +199,7 @@ std::vector<int> parse_list(const char* s) {
 }
 
 int run(int argc, char** argv) {
-  int links = 200;
+  int links = 200, chase_loads = 0;
   size_t bytes = 0;
   const int sms = sm_count();
   std::vector<int> blocks = {1, 4, 16, sms / 2, sms, 2 * sms, 4 * sms};
@@ -194,9 +209,11 @@ int run(int argc, char** argv) {
     if (arg == "--links") links = std::atoi(argv[++i]);
     else if (arg == "--bytes") bytes = size_t(std::atoll(argv[++i]));
     else if (arg == "--blocks") blocks = parse_list(argv[++i]);
-    else require(false, "unknown argument '" + arg + "' (bench_cuda_chain [--links N] [--bytes B] [--blocks G,G,...])");
+    else if (arg == "--chase") chase_loads = std::atoi(argv[++i]);
+    else require(false, "unknown argument '" + arg + "' (bench_cuda_chain [--links N] [--bytes B] [--chase R] [--blocks G,G,...])");
   }
   require(links > 0 && links <= 100000, "--links must be 1..100000, not " + std::to_string(links));
+  require(chase_loads >= 0 && chase_loads <= 10000, "--chase must be 0..10000, not " + std::to_string(chase_loads));
   require(bytes % 16 == 0 && bytes <= kBufferBytes / 2,
           "--bytes must be a multiple of 16 up to " + std::to_string(kBufferBytes / 2));
   int per_sm = 0;
@@ -212,13 +229,21 @@ int run(int argc, char** argv) {
   a.words_per_link = bytes / 16;
   CUDA_CHECK(cudaMalloc(&a.words, sizeof(unsigned) * size_t(links + 1)));
   CUDA_CHECK(cudaMalloc(&a.sink, sizeof(unsigned)));
+  // One cycle through every index (a stride coprime with the length), so no load can be guessed.
+  std::vector<unsigned> cycle(kCycleLength);
+  for (unsigned i = 0; i < kCycleLength; ++i) cycle[i] = (i + 1237u) % kCycleLength;
+  unsigned* cycle_device = nullptr;
+  CUDA_CHECK(cudaMalloc(&cycle_device, sizeof(unsigned) * kCycleLength));
+  CUDA_CHECK(cudaMemcpy(cycle_device, cycle.data(), sizeof(unsigned) * kCycleLength, cudaMemcpyHostToDevice));
+  a.cycle = cycle_device;
+  a.chase = chase_loads;
 
   cudaDeviceProp prop;
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  std::printf("%s, %d SMs; %d links, %zu bytes read a link, %d threads a block\n", prop.name, sms, links, bytes,
-              kThreads);
+  std::printf("%s, %d SMs; %d links, %zu bytes read a link, %d dependent loads a link, %d threads a block\n",
+              prop.name, sms, links, bytes, chase_loads, kThreads);
   std::printf("%8s %14s %18s %18s\n", "blocks", "chain us/link", "chain -pdl us/link", "persistent us/phase");
   for (int g : blocks) {
     if (g > per_sm * sms) {
@@ -231,6 +256,7 @@ int run(int argc, char** argv) {
   cudaFree(data);
   cudaFree(a.words);
   cudaFree(a.sink);
+  cudaFree(cycle_device);
   cudaStreamDestroy(s);
   return 0;
 }
