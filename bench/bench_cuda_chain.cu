@@ -185,15 +185,27 @@ Row measure(const LinkArgs& a, int links, int blocks, cudaStream_t s) {
   return row;
 }
 
+// A whole non-negative decimal number, or an error naming the option.
+long long parse_count(const std::string& option, const char* text) {
+  char* end = nullptr;
+  const long long v = std::strtoll(text, &end, 10);
+  require(end != text && *end == '\0' && v >= 0, option + ": '" + text + "' is not a non-negative whole number");
+  return v;
+}
+
 std::vector<int> parse_list(const char* s) {
   std::vector<int> out;
-  for (const char* p = s; *p;) {
-    char* end = nullptr;
-    const long v = std::strtol(p, &end, 10);
-    require(end != p && v > 0 && (*end == ',' || *end == '\0'),
-            std::string("--blocks: '") + s + "' is not a list of positive numbers");
+  std::string item;
+  for (const char* p = s;; ++p) {
+    if (*p != ',' && *p != '\0') {
+      item += *p;
+      continue;
+    }
+    const long long v = parse_count("--blocks", item.c_str());
+    require(v > 0 && v <= 1000000, std::string("--blocks: '") + s + "' is not a list of block counts");
     out.push_back(int(v));
-    p = *end == ',' ? end + 1 : end;
+    item.clear();
+    if (*p == '\0') break;
   }
   return out;
 }
@@ -201,21 +213,22 @@ std::vector<int> parse_list(const char* s) {
 int run(int argc, char** argv) {
   int links = 200, chase_loads = 0;
   size_t bytes = 0;
-  const int sms = sm_count();
-  std::vector<int> blocks = {1, 4, 16, sms / 2, sms, 2 * sms, 4 * sms};
+  std::vector<int> blocks;  // default: 1 to 4 an SM, below
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     require(i + 1 < argc, arg + " needs a value");
-    if (arg == "--links") links = std::atoi(argv[++i]);
-    else if (arg == "--bytes") bytes = size_t(std::atoll(argv[++i]));
+    if (arg == "--links") links = int(std::min(parse_count(arg, argv[++i]), 1000000LL));
+    else if (arg == "--bytes") bytes = size_t(parse_count(arg, argv[++i]));
     else if (arg == "--blocks") blocks = parse_list(argv[++i]);
-    else if (arg == "--chase") chase_loads = std::atoi(argv[++i]);
+    else if (arg == "--chase") chase_loads = int(std::min(parse_count(arg, argv[++i]), 1000000LL));
     else require(false, "unknown argument '" + arg + "' (bench_cuda_chain [--links N] [--bytes B] [--chase R] [--blocks G,G,...])");
   }
   require(links > 0 && links <= 100000, "--links must be 1..100000, not " + std::to_string(links));
   require(chase_loads >= 0 && chase_loads <= 10000, "--chase must be 0..10000, not " + std::to_string(chase_loads));
   require(bytes % 16 == 0 && bytes <= kBufferBytes / 2,
           "--bytes must be a multiple of 16 up to " + std::to_string(kBufferBytes / 2));
+  const int sms = sm_count();
+  if (blocks.empty()) blocks = {1, 4, 16, sms / 2, sms, 2 * sms, 4 * sms};
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, persistent_kernel, kThreads, 0));
 
