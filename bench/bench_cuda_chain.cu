@@ -44,10 +44,10 @@ constexpr int kThreads = 128;
 constexpr size_t kBufferBytes = size_t(1) << 30;  // the links' bytes come from here, wrapping around
 
 struct LinkArgs {
-  const uint4* data = nullptr;  // kBufferBytes
-  size_t words_per_link = 0;    // 16-byte words each link reads, over all blocks
-  unsigned* words = nullptr;    // the chain: link i reads words[i], block 0 writes words[i + 1]
-  unsigned* sink = nullptr;     // written only when the loads fold to an unlikely value: keeps them
+  const uint4* data = nullptr;      // kBufferBytes
+  size_t words_per_link = 0;        // 16-byte words each link reads, over all blocks
+  unsigned* words = nullptr;        // the chain: link i reads words[i], block 0 writes words[i + 1]
+  unsigned* sink = nullptr;         // written only when the loads fold to an unlikely value: keeps them
   const unsigned* cycle = nullptr;  // kCycleLength indices forming one cycle (--chase)
   int chase = 0;                    // dependent loads a link, one after another, by each block's first thread
 };
@@ -68,7 +68,8 @@ __device__ unsigned read_share(const LinkArgs& a, int link) {
   const size_t total_words = kBufferBytes / 16;
   const size_t first = (size_t(link) * a.words_per_link) % (total_words - a.words_per_link + 1);
   unsigned acc = 0;
-  for (size_t w = size_t(blockIdx.x) * kThreads + threadIdx.x; w < a.words_per_link; w += size_t(gridDim.x) * kThreads) {
+  for (size_t w = size_t(blockIdx.x) * kThreads + threadIdx.x; w < a.words_per_link;
+       w += size_t(gridDim.x) * kThreads) {
     const uint4 v = __ldcg(a.data + first + w);
     acc ^= v.x ^ v.y ^ v.z ^ v.w;
   }
@@ -139,8 +140,9 @@ float time_ms(cudaStream_t s, int reps, Run run) {
 void check_chain(const unsigned* words, int links, const char* what, int blocks) {
   unsigned last = 0;
   CUDA_CHECK(cudaMemcpy(&last, words + links, sizeof(unsigned), cudaMemcpyDeviceToHost));
-  require(last == unsigned(links), std::string(what) + " with " + std::to_string(blocks) + " blocks: the chain counted " +
-                                        std::to_string(last) + " of " + std::to_string(links) + " links");
+  require(last == unsigned(links), std::string(what) + " with " + std::to_string(blocks) +
+                                       " blocks: the chain counted " + std::to_string(last) + " of " +
+                                       std::to_string(links) + " links");
 }
 
 struct Row {
@@ -154,7 +156,8 @@ Row measure(const LinkArgs& a, int links, int blocks, cudaStream_t s) {
     cudaGraph_t graph;
     cudaGraphExec_t exec;
     CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < links; ++i) launch_pdl(link_kernel, dim3(blocks), dim3(kThreads), 0, KernelStream(s, pdl), a, i);
+    for (int i = 0; i < links; ++i)
+      launch_pdl(link_kernel, dim3(blocks), dim3(kThreads), 0, KernelStream(s, pdl), a, i);
     CUDA_CHECK(cudaStreamEndCapture(s, &graph));
     CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
     const float ms = time_ms(s, 20, [&] {
@@ -217,11 +220,17 @@ int run(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     require(i + 1 < argc, arg + " needs a value");
-    if (arg == "--links") links = int(std::min(parse_count(arg, argv[++i]), 1000000LL));
-    else if (arg == "--bytes") bytes = size_t(parse_count(arg, argv[++i]));
-    else if (arg == "--blocks") blocks = parse_list(argv[++i]);
-    else if (arg == "--chase") chase_loads = int(std::min(parse_count(arg, argv[++i]), 1000000LL));
-    else require(false, "unknown argument '" + arg + "' (bench_cuda_chain [--links N] [--bytes B] [--chase R] [--blocks G,G,...])");
+    if (arg == "--links")
+      links = int(std::min(parse_count(arg, argv[++i]), 1000000LL));
+    else if (arg == "--bytes")
+      bytes = size_t(parse_count(arg, argv[++i]));
+    else if (arg == "--blocks")
+      blocks = parse_list(argv[++i]);
+    else if (arg == "--chase")
+      chase_loads = int(std::min(parse_count(arg, argv[++i]), 1000000LL));
+    else
+      require(false, "unknown argument '" + arg +
+                         "' (bench_cuda_chain [--links N] [--bytes B] [--chase R] [--blocks G,G,...])");
   }
   require(links > 0 && links <= 100000, "--links must be 1..100000, not " + std::to_string(links));
   require(chase_loads >= 0 && chase_loads <= 10000, "--chase must be 0..10000, not " + std::to_string(chase_loads));
@@ -255,8 +264,8 @@ int run(int argc, char** argv) {
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
-  std::printf("%s, %d SMs; %d links, %zu bytes read a link, %d dependent loads a link, %d threads a block\n",
-              prop.name, sms, links, bytes, chase_loads, kThreads);
+  std::printf("%s, %d SMs; %d links, %zu bytes read a link, %d dependent loads a link, %d threads a block\n", prop.name,
+              sms, links, bytes, chase_loads, kThreads);
   std::printf("%8s %14s %18s %18s\n", "blocks", "chain us/link", "chain -pdl us/link", "persistent us/phase");
   for (int g : blocks) {
     if (g > per_sm * sms) {
