@@ -29,6 +29,7 @@ struct EngineOptions {
   int threads = 0;                 // CPU threads in all (0: every core)
   // Diagnostics and measurement knobs (filled by main from flags; the library reads no environment).
   bool profile_ops = false;             // cuda: GPU time per op, printed at the end (steps run eagerly)
+  bool kernel_timeline = false;         // cuda: every replayed step's kernels timed (CUPTI), printed at the end
   std::string allreduce_path = "auto";  // cuda, tp > 1: auto, push, oneshot, twoshot or nccl for every size
   bool nccl_at_tp1 = false;             // cuda: tp 1 through the NCCL communicator (tests)
   bool pdl = true;                      // cuda: programmatic dependent launch between a step's kernels

@@ -65,7 +65,7 @@ struct ModelFlags {
   std::string shared_fusion = "on", allreduce_fusion = "on";
   int shared_fusion_max_tokens = -1;
   int threads = 0;
-  bool profile_ops = false;
+  bool profile_ops = false, kernel_timeline = false;
   std::string allreduce_path = "auto";
   int emulate_tp = 0;
   std::string preset_dtype = "bf16";
@@ -88,6 +88,9 @@ struct ModelFlags {
     app->add_option("--allreduce-fusion", allreduce_fusion, "on|off")->check(CLI::IsMember({"on", "off"}));
     app->add_option("--threads", threads, "CPU threads in all (default: every core)");
     app->add_flag("--profile-ops", profile_ops, "cuda: print the GPU time of every op (steps then run without graphs)");
+    app->add_flag("--kernel-timeline", kernel_timeline,
+                  "cuda: record every replayed step's kernels (CUPTI) and print where each step's time went; "
+                  "times measured with it on are not the step's own");
     app->add_option("--emulate-tp", emulate_tp,
                     "run only rank 0 of a tp-N group on one device (its shard and plan, collectives replaced by a "
                     "local stand-in): one rank's step time of a deployment larger than this machine")
@@ -113,6 +116,7 @@ struct ModelFlags {
     o.allreduce_fusion = allreduce_fusion == "on";
     o.threads = threads;
     o.profile_ops = profile_ops;
+    o.kernel_timeline = kernel_timeline;
     o.allreduce_path = allreduce_path;
     o.emulate_tp = emulate_tp;
     o.preset_dtype = preset_dtype;
@@ -508,6 +512,7 @@ void run_bench(const BenchFlags& f) {
   o.preset_dtype = f.model.preset_dtype;
   o.threads = f.model.threads;
   o.profile_ops = f.model.profile_ops;
+  o.kernel_timeline = f.model.kernel_timeline;
   o.allreduce_path = f.model.allreduce_path;
   o.pdl = f.model.pdl == "on";
   o.decode_gemv = f.model.decode_gemv == "on";

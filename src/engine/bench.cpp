@@ -155,6 +155,7 @@ BenchReport run_bench(const BenchOptions& o) {
     eo.device = o.device;
     eo.threads = o.threads;
     eo.profile_ops = o.profile_ops;
+    eo.kernel_timeline = o.kernel_timeline;
     eo.allreduce_path = o.allreduce_path;
     eo.pdl = o.pdl;
     eo.decode_gemv = o.decode_gemv;

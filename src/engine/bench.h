@@ -42,6 +42,7 @@ struct BenchOptions {
   std::string preset_dtype = "bf16";  // bf16 or mxfp8 (EngineOptions::preset_dtype)
   int threads = 0;
   bool profile_ops = false;             // EngineOptions::profile_ops (steps then run eagerly)
+  bool kernel_timeline = false;         // EngineOptions::kernel_timeline
   std::string allreduce_path = "auto";  // EngineOptions::allreduce_path
   bool pdl = true, decode_gemv = true;  // EngineOptions::pdl, decode_gemv
   int shared_fusion_max_tokens = -1;    // EngineOptions::shared_fusion_max_tokens

@@ -94,6 +94,7 @@ class SpmdEngine final : public Engine {
     if (o.device == "cuda") {
       cuda::CudaBackendOptions co;
       co.ops.profile_ops = o.profile_ops;
+      co.ops.kernel_timeline = o.kernel_timeline;
       co.ops.pdl = o.pdl;
       co.ops.decode_gemv = o.decode_gemv;
       co.nccl.path = cuda::parse_allreduce_path(o.allreduce_path);

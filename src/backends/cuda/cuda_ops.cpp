@@ -119,11 +119,25 @@ CudaOps::CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options)
   seq_slots_ = step_device_ + 2 * reserve.max_tokens;
   logit_rows_ = step_device_ + 3 * reserve.max_tokens;
   num_real_tokens_ = step_device_ + 4 * reserve.max_tokens;
+  if (options.kernel_timeline) {
+    timeline_ = std::make_unique<KernelTimeline>();
+    timeline_->start();  // before any graph is recorded, so that every replay's kernels are seen
+  }
 }
 
 CudaOps::~CudaOps() {
   cudaStreamSynchronize(stream_);
   if (on_destroy_) on_destroy_();
+  if (timeline_) {
+    try {
+      timeline_->stop();
+      fmt::print(stderr, "Kernel timeline of the replayed steps (--kernel-timeline; CUPTI, times in us):\n{}",
+                 kernel_timeline_report(summarize_timeline(timeline_->runs())));
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "--kernel-timeline: {}\n", e.what());
+    }
+    timeline_.reset();
+  }
   if (profile_ops_) {
     collect_op_times();
     double all = 0;

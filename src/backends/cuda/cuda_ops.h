@@ -16,6 +16,7 @@
 #include "backends/cuda/attention.cuh"
 #include "backends/cuda/gemm.h"
 #include "backends/cuda/gemv.cuh"
+#include "backends/cuda/kernel_timeline.h"
 #include "backends/cuda/moe.cuh"
 #include "model/fusion_plan.h"
 #include "model/ops.h"
@@ -41,6 +42,9 @@ struct CudaOpsOptions {
   // Per-op GPU time, for finding where a step goes (--profile-ops). Steps then run eagerly (no
   // graph) and the totals per op are printed to stderr when the ops are destroyed.
   bool profile_ops = false;
+  // Every replay of a recorded step, kernel by kernel (kernel_timeline.h): the report goes to stderr
+  // when the ops are destroyed.
+  bool kernel_timeline = false;
   // Programmatic dependent launch between the kernels of a step (kernel_utils.cuh).
   bool pdl = true;
   // Linears of <= 8 tokens on the weight-streaming GEMV (gemv.cuh), which also runs several
@@ -162,6 +166,7 @@ class CudaOps final : public Ops {
   OpTimer timed(std::string name) { return OpTimer(*this, std::move(name)); }
   void collect_op_times();  // after a sync: fold finished event pairs into the totals
   bool profile_ops_ = false;
+  std::unique_ptr<KernelTimeline> timeline_;  // CudaOpsOptions::kernel_timeline
   bool decode_gemv_ = true;
   // The decode GEMV's launch for these projections of x; false: it does not take them.
   bool gemv_params(Tensor x, std::span<const Projection> items, GemvParams& p) const;
