@@ -64,6 +64,10 @@ TEST(KernelTimeline, NamesLoseNamespacesReturnTypeAndParameters) {
             "gemv_kernel<1, false>");
   EXPECT_EQ(short_kernel_name("_ZN5tpmoe4cuda12_GLOBAL__N_118l2_prefetch_kernelENS0_16L2PrefetchRangesE"),
             "l2_prefetch_kernel");
+  // Parameters of a type in an anonymous namespace, and of a function pointer type.
+  EXPECT_EQ(short_kernel_name("_ZN5tpmoe4cuda12_GLOBAL__N_116attention_kernelENS1_6ParamsE"), "attention_kernel");
+  EXPECT_EQ(short_kernel_name("_ZN5tpmoe4cuda12apply_kernelILi4EEEvPFviENS0_12_GLOBAL__N_16ParamsE"),
+            "apply_kernel<4>");
   EXPECT_EQ(short_kernel_name("not_mangled"), "not_mangled");
 }
 

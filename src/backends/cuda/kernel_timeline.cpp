@@ -109,21 +109,24 @@ std::string short_kernel_name(const char* mangled) {
   char* full = abi::__cxa_demangle(mangled, nullptr, nullptr, &status);
   std::string s = status == 0 && full ? full : mangled;
   std::free(full);
-  // Cut the parameter list: the last '(' at template depth 0.
-  int depth = 0;
-  size_t cut = s.size();
-  for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '<') ++depth;
-    if (s[i] == '>') --depth;
-    if (s[i] == '(' && depth == 0) cut = i;
+  // Cut the parameter list: the '(' that balances the final ')' (the parameters' own types may hold
+  // parentheses: "(anonymous namespace)", function pointers).
+  if (!s.empty() && s.back() == ')') {
+    int depth = 0;
+    for (size_t i = s.size(); i-- > 0;) {
+      if (s[i] == ')') ++depth;
+      if (s[i] == '(' && --depth == 0) {
+        s.resize(i);
+        break;
+      }
+    }
   }
-  s.resize(cut);
-  // Drop the return type and the qualifiers: everything up to the last "::" or ' ' at depth 0.
-  depth = 0;
+  // Drop the return type and the qualifiers: everything up to the last "::" or ' ' outside <> and ().
+  int depth = 0;
   size_t begin = 0;
   for (size_t i = 0; i < s.size(); ++i) {
-    if (s[i] == '<') ++depth;
-    if (s[i] == '>') --depth;
+    if (s[i] == '<' || s[i] == '(') ++depth;
+    if (s[i] == '>' || s[i] == ')') --depth;
     if (depth == 0 && s[i] == ' ') begin = i + 1;
     if (depth == 0 && s[i] == ':' && i + 1 < s.size() && s[i + 1] == ':') begin = i + 2;
   }
