@@ -60,7 +60,9 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
 #ifdef TPMOE_WITH_CUPTI
 KernelTimeline::KernelTimeline() {
   std::lock_guard lock(g_mutex);
-  TPMOE_CHECK(!g_active, "one kernel timeline at a time (CUPTI's records go to process-wide callbacks)");
+  TPMOE_CHECK(!g_active,
+              "--kernel-timeline records one GPU a process (CUPTI's records go to process-wide callbacks): run one "
+              "rank a process (mpirun) or on one GPU");
   check_cupti(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "cuptiActivityRegisterCallbacks");
   g_active = true;
   g_runs.clear();
