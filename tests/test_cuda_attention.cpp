@@ -163,8 +163,11 @@ class Harness {
     const size_t ws_bytes = cuda::attention_workspace_bytes(T, nq, nih, hd, L, c_.bs, c_.topk);
     DeviceBuffer<uint8_t> dws(ws_bytes);
     // 0x7F, not the 0xFF poison: an unwritten kept-block entry then reads as a huge block index
-    // (out-of-range reads, garbage output) rather than as -1, a valid "no block".
+    // (out-of-range reads, garbage output) rather than as -1, a valid "no block". The head (the
+    // splits' arrival counters) starts zeroed, as the workspace's contract asks.
+    const size_t zeroed = cuda::attention_workspace_zeroed_bytes();
     CUDA_CHECK(cudaMemset(dws.get(), 0x7F, std::max<size_t>(ws_bytes, 1)));
+    CUDA_CHECK(cudaMemset(dws.get(), 0, zeroed));
 
     cuda::AttentionKernelParams p;
     p.q = dq.get();
@@ -209,6 +212,13 @@ class Harness {
     const double err = relative_l2(out_gpu, out_cpu);
     EXPECT_LT(err, kTolBf16) << "relative L2 of the attention output vs the CPU oracle";
 
+    // The arrival counters are back at zero for the next launch (each split's last block resets
+    // its row's): a leftover count would make a later launch merge before its splits are in.
+    std::vector<int32_t> arrivals(zeroed / sizeof(int32_t));
+    CUDA_CHECK(cudaMemcpy(arrivals.data(), dws.get(), zeroed, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(size_t(std::count(arrivals.begin(), arrivals.end(), 0)), arrivals.size())
+        << "arrival counters left non-zero after the launch";
+
     // Cache: the step's rows, and every row written by earlier steps, hold exactly the bf16 inputs.
     for (int t = 0; t < T; ++t) {
       const size_t row = size_t(shape_.row(page_table_, slots[t], positions[t]));
@@ -229,11 +239,12 @@ class Harness {
     }
     EXPECT_EQ(cache_mismatches, 0u) << "cache elements differing from the bf16 inputs";
 
-    // Kept blocks: the workspace opens with int32 [T][nih][topk] kept-block lists, -1 padded (the
-    // layout attention.cu's header states); as sets they must equal the oracle's selection.
+    // Kept blocks: past the arrival counters the workspace holds int32 [T][nih][topk] kept-block
+    // lists, -1 padded (the layout attention.cu's header states); as sets they must equal the
+    // oracle's selection.
     if (c_.sparse && c_.topk > 0) {
       std::vector<int32_t> kept(size_t(T) * nih * c_.topk);
-      CUDA_CHECK(cudaMemcpy(kept.data(), dws.get(), kept.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(kept.data(), dws.get() + zeroed, kept.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
       int set_mismatches = 0;
       for (int t = 0; t < T; ++t) {
         const int pos = positions[t];
@@ -329,7 +340,7 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{"full_gqa8_hd128", 16, 2, 128, false, 0, 0, 0, 0, 2048, 700},
                       AttnCase{"full_gqa1_hd64", 4, 4, 64, false, 0, 0, 0, 0, 1024, 500},
                       // few narrow heads a KV group and a long cache: 16 key groups a block and still
-                      // 4 splits at batch 1 (the groups' merge feeding the combine)
+                      // 4 splits at batch 1 (the groups' merge feeding the splits' merge)
                       AttnCase{"full_gqa2_hd32_long", 8, 4, 32, false, 0, 0, 0, 0, 4096, 1500},
                       // group 20 > 16 heads per block: two head chunks per KV head
                       AttnCase{"full_gqa20_hd256", 20, 1, 256, false, 0, 0, 0, 0, 512, 300},

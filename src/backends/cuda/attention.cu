@@ -1,4 +1,4 @@
-// Attention over the bf16 KV cache (SPEC §1.3-1.4), in up to four launches on one stream, each with
+// Attention over the bf16 KV cache (SPEC §1.3-1.4), in up to three launches on one stream, each with
 // PDL (kernel_utils.cuh):
 //
 // 1. cache_write_kernel, one block per token: copies the step's k, v rows (and index_k on sparse
@@ -34,14 +34,19 @@
 //    block, with no combine launch behind it, where a KV group's query heads are few and narrow
 //    (choose_key_groups: a block's tile reads from shared memory bound it; MiniMax-M3's 8-16 heads
 //    of 128 a KV group take one group).
-//    With one split the block writes the bf16 output directly; otherwise per-split partials
-//    (m, l, acc[HD], fp32) go to the workspace.
-// 4. attention_combine_kernel, one block of HD threads per (token, q head): merges the partials of
-//    the splits that ran (split s ran iff s*chunk <= pos) and writes bf16. A query that sees no key
-//    at all (only possible with topk_blocks = 0) gets zeros (the CPU oracle gives NaN there).
+//    With one split the block writes the bf16 output directly. Otherwise each split writes its
+//    partials (m, l, acc[HD], fp32) to the workspace and counts itself in on the (token, block
+//    row)'s arrival counter; the block that arrives last - all the splits that ran (split s ran
+//    iff s*chunk <= pos) are in then - merges them in split order, writes bf16 and sets the
+//    counter back to zero for the next launch. The merge rides in the split kernel instead of a
+//    launch of its own: a kernel boundary and a kernel's dependent start (~5 us a layer at batch 1,
+//    docs/PERF.md) for one atomic a block. A query that sees no key at all (only possible with
+//    topk_blocks = 0) gets zeros (the CPU oracle gives NaN there).
 //
-// Workspace layout (attention_workspace_bytes): [kept int32 T*nih*topk][pad to 256 B]
-//   [ml float2 T*nq*S][acc float T*nq*S*HD], the partials only when S > 1. plan_splits chooses S0
+// Workspace layout (attention_workspace_bytes): [arrivals int32 kMaxPartialRows: zero between
+//   launches][kept int32 T*nih*topk][pad to 256 B][ml float2 T*nq*S][acc float T*nq*S*HD], the
+//   partials only when S > 1. Its owner zeroes the arrivals once (attention_workspace_zeroed_bytes);
+//   every launch leaves them zero. plan_splits chooses S0
 //   chunks of >= kMinChunk (64) keys with T*nq*S0 <= kMaxPartialRows (16384); a block's G key
 //   groups take G of them (choose_key_groups), so S = ceil(S0 / G) splits run and the workspace,
 //   sized for S0, is enough.
@@ -102,6 +107,10 @@ SplitPlan plan_splits(int num_tokens, int num_q_heads, int max_len) {
   const int64_t chunk = std::max<int64_t>(1, ceil_div(max_len, splits));
   return {int(ceil_div(max_len, chunk)), int(chunk)};
 }
+
+// One arrival counter per (token, block row) of a split grid with S > 1: T * nkv * head_chunks <=
+// T * nq <= T * nq * S <= kMaxPartialRows (plan_splits caps the partial rows there).
+constexpr size_t kArrivalBytes = size_t(kMaxPartialRows) * sizeof(int32_t);
 
 size_t kept_bytes(int num_tokens, int num_index_heads, int topk_blocks) {
   return align_up(size_t(num_tokens) * size_t(std::max(num_index_heads, 0)) * size_t(std::max(topk_blocks, 0)) *
@@ -362,6 +371,7 @@ struct SplitArgs {
   __nv_bfloat16* out;  // written when num_splits == 1
   float2* ml;          // [T*nq][S] (m in log2 units, l)
   float* acc;          // [T*nq][S][HD]
+  int* arrivals;       // [T][nkv * head_chunks] splits of the row done so far; zero between launches
 };
 
 // Dynamic shared memory of attention_split_kernel<HD>: q_s [heads][HD] bf16, then per key group its
@@ -398,7 +408,7 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   const int split = blockIdx.z;
   const int pos = a.positions[t], slot = a.seq_slots[t];
   const int lo = split * a.chunk;
-  if (lo > pos) return;  // uniform over the block; the combine skips this split
+  if (lo > pos) return;  // uniform over the block; the merge skips this split, and it counts no arrival
   const int hi = min(lo + a.chunk, pos + 1);
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int G = a.key_groups, group_threads = a.heads * kWarp;
@@ -537,7 +547,7 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
 
   if (G > 1) {
     // Each group's (m, l, acc) per head into its own tile space (the walk is over), then group 0's
-    // warp of head hw merges the groups in group order, as the combine merges splits.
+    // warp of head hw merges the groups in group order, as the last split merges the splits.
     float2* group_ml = reinterpret_cast<float2*>(group_smem);
     float* group_acc = reinterpret_cast<float*>(group_smem + Smem::kMergeAccOffset);
     if (active) {
@@ -546,7 +556,11 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
       for (int i = 0; i < kDpl; ++i) group_acc[hw * HD + lane * kDpl + i] = acc[i];
     }
     __syncthreads();
-    if (kg != 0 || !active) return;
+  }
+  // Group 0's active warps hold the block's result from here on; the other threads only take part
+  // in the barriers of the arrival below (no thread leaves before them).
+  const bool writer = active && kg == 0;
+  if (G > 1 && writer) {
     const unsigned char* groups = split_smem + Smem::q_bytes(a.heads);
     float m_max = -INFINITY;
     for (int g = 0; g < G; ++g)
@@ -569,71 +583,71 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
     m = m_max;
   }
 
-  if (!active) return;
   const size_t row = size_t(t) * a.num_q_heads + qh;
+  __nv_bfloat16* out = a.out + row * HD + lane * kDpl;
   if (a.num_splits == 1) {
+    if (!writer) return;
     const float inv = l > 0.f ? 1.f / l : 0.f;
-    __nv_bfloat16* o = a.out + row * HD + lane * kDpl;
 #pragma unroll
-    for (int i = 0; i < kDpl; ++i) o[i] = __float2bfloat16(acc[i] * inv);
-  } else {
-    const size_t prow = row * a.num_splits + split;
-    if (lane == 0) a.ml[prow] = make_float2(m, l);
-    float* o = a.acc + prow * HD + lane * kDpl;
+    for (int i = 0; i < kDpl; ++i) out[i] = __float2bfloat16(acc[i] * inv);
+    return;
+  }
+  const size_t prow = row * a.num_splits;
+  if (writer) {
+    if (lane == 0) a.ml[prow + split] = make_float2(m, l);
+    float* o = a.acc + (prow + split) * HD + lane * kDpl;
 #pragma unroll
     for (int i = 0; i < kDpl; ++i) o[i] = acc[i];
   }
-}
 
-// ---------------------------------------------------------------------------------------------
-// 4. Combine
-
-struct CombineArgs {
-  const float2* ml;
-  const float* acc;
-  const int32_t* positions;
-  __nv_bfloat16* out;
-  int num_q_heads;
-  int head_dim;
-  int num_splits;
-  int chunk;
-};
-
-// One block of head_dim threads per (token, q head); thread d owns output dim d.
-__global__ void attention_combine_kernel(const CombineArgs a) {
-  pdl_wait();
-  pdl_trigger();
-  const int t = blockIdx.x, qh = blockIdx.y, d = threadIdx.x;
-  const size_t row = size_t(t) * a.num_q_heads + qh;
-  const int ran = min(a.num_splits, a.positions[t] / a.chunk + 1);  // splits with s*chunk <= pos
-  const float2* ml = a.ml + row * a.num_splits;
+  // Arrival: the partials above are made visible device-wide (fence), then counted. The block that
+  // counts the last split that ran sees every split's partials (each fenced before its count) and
+  // merges them; it alone touches the counter after the others' atomics, so it resets it plainly.
+  __shared__ int last_s;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const int ran = min(a.num_splits, pos / a.chunk + 1);
+    int* arrivals = a.arrivals + size_t(t) * gridDim.y + blockIdx.y;
+    last_s = atomicAdd(arrivals, 1) == ran - 1;
+    if (last_s) *arrivals = 0;
+  }
+  __syncthreads();
+  if (!last_s || !writer) return;
+  __threadfence();
+  // The merge, in split order: m_max over the splits, then the weighted sums. L2 loads (__ldcg):
+  // the partials of other blocks were never in this SM's L1, and must not be read from it.
+  const int ran = min(a.num_splits, pos / a.chunk + 1);
+  const float2* ml = a.ml + prow;
   float m_max = -INFINITY;
-  for (int s = 0; s < ran; ++s) m_max = fmaxf(m_max, ml[s].x);
-  float o = 0.f;
+  for (int s = 0; s < ran; ++s) m_max = fmaxf(m_max, __ldcg(&ml[s].x));
+  float denom = 0.f, num[kDpl];
+#pragma unroll
+  for (int i = 0; i < kDpl; ++i) num[i] = 0.f;
   if (m_max != -INFINITY) {
-    float denom = 0.f, num = 0.f;
-    const float* acc = a.acc + row * a.num_splits * a.head_dim + d;
     for (int s = 0; s < ran; ++s) {
-      const float2 v = ml[s];
+      const float2 v = __ldcg(&ml[s]);
       if (v.x == -INFINITY) continue;  // a split that saw no key
       const float w = exp2f(v.x - m_max);
       denom += w * v.y;
-      num += w * acc[size_t(s) * a.head_dim];
+      const float* pa = a.acc + (prow + s) * HD + lane * kDpl;
+#pragma unroll
+      for (int i = 0; i < kDpl; ++i) num[i] = fmaf(w, __ldcg(pa + i), num[i]);
     }
-    o = num / denom;
   }
-  a.out[row * a.head_dim + d] = __float2bfloat16(o);
+#pragma unroll
+  for (int i = 0; i < kDpl; ++i) out[i] = __float2bfloat16(m_max != -INFINITY ? num[i] / denom : 0.f);
 }
 
 // Shared-memory bytes an attention block may read in one step of its walk: every warp reads its
 // group's K and V tiles (4 * kTile * HD bytes). 128 KiB is 8 warps at head_dim 128, a tp-8 rank of
 // MiniMax-M3 (8 query heads a KV head); 4 key groups there (32 warps, 512 KiB a step on one SM)
-// measured slower than 4 split blocks and their combine (docs/PERF.md), where 4 groups of 2 warps at
+// measured slower than 4 split blocks and their merge (docs/PERF.md), where 4 groups of 2 warps at
 // head_dim 32 (the tiny preset, 32 KiB a step) measured faster.
 constexpr size_t kMaxTileReadsPerStep = 128 * 1024;
 
 // Key groups a block of `heads` warps takes (SplitArgs::key_groups): enough for the planned splits
-// (as many as there are, so that a short context runs no combine), within the block's 32 warps, its
+// (as many as there are, so that a short context needs no merge across blocks), within the block's 32 warps, its
 // shared memory and its shared-memory reads a step. 1 where the plan has one split.
 template <int HD>
 int choose_key_groups(int planned_splits, int heads) {
@@ -645,10 +659,11 @@ int choose_key_groups(int planned_splits, int heads) {
 }
 
 // Sets the splits that run - the plan's chunks, G of them a block (choose_key_groups), spread evenly
-// - and their partials in `partials` (the workspace past the kept blocks, sized for the plan's
-// splits, never fewer), then launches the split kernel.
+// - their arrival counters and their partials in `partials` (the workspace past the kept blocks,
+// sized for the plan's splits, never fewer), then launches the split kernel.
 template <int HD>
-void launch_split(const SplitPlan& plan, unsigned char* partials, int num_tokens, SplitArgs& a, KernelStream on) {
+void launch_split(const SplitPlan& plan, int* arrivals, unsigned char* partials, int num_tokens, SplitArgs& a,
+                  KernelStream on) {
   const int most = choose_key_groups<HD>(plan.num_splits, a.heads);
   a.num_splits = int(ceil_div(plan.num_splits, most));
   a.key_groups = int(ceil_div(plan.num_splits, a.num_splits));
@@ -656,6 +671,7 @@ void launch_split(const SplitPlan& plan, unsigned char* partials, int num_tokens
   const size_t rows = size_t(num_tokens) * a.num_q_heads * a.num_splits;
   a.ml = a.num_splits > 1 ? reinterpret_cast<float2*>(partials) : nullptr;
   a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(partials + align_up(rows * sizeof(float2))) : nullptr;
+  a.arrivals = arrivals;
   const dim3 grid(unsigned(num_tokens), unsigned(a.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
   const size_t smem = SplitSmem<HD>::bytes(a.heads, a.key_groups);
   if (smem > 48 * 1024)
@@ -675,8 +691,10 @@ size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_
   const int64_t last = std::min<int64_t>(max_tokens, kMaxPartialRows);
   for (int64_t t = 1; t <= last; ++t)
     partials = std::max(partials, partial_bytes(int(t), num_q_heads, head_dim, max_len));
-  return kept_bytes(max_tokens, num_index_heads, topk_blocks) + partials;
+  return kArrivalBytes + kept_bytes(max_tokens, num_index_heads, topk_blocks) + partials;
 }
+
+size_t attention_workspace_zeroed_bytes() { return kArrivalBytes; }
 
 void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   const int T = p.num_tokens;
@@ -728,7 +746,7 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   const SplitPlan plan = plan_splits(T, p.num_q_heads, bound);
   check_arg(plan.num_splits <= 65535, "attention: max_len too large for the split grid");
   const size_t kept_region = sparse ? kept_bytes(T, p.num_index_heads, p.topk_blocks) : 0;
-  const size_t need = kept_region + partial_bytes(T, p.num_q_heads, p.head_dim, bound);
+  const size_t need = kArrivalBytes + kept_region + partial_bytes(T, p.num_q_heads, p.head_dim, bound);
   check_arg(p.workspace_bytes >= need && (need == 0 || p.workspace != nullptr),
             "attention: workspace of " + std::to_string(p.workspace_bytes) + " bytes, the step needs " +
                 std::to_string(need) + " (size it with attention_workspace_bytes)");
@@ -742,7 +760,8 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
                            " (kernels are built for 32, 64, 128, 256)");
   }
 
-  unsigned char* ws = static_cast<unsigned char*>(p.workspace);
+  int* arrivals = static_cast<int*>(p.workspace);
+  unsigned char* ws = static_cast<unsigned char*>(p.workspace) + kArrivalBytes;
   int32_t* kept = sparse ? reinterpret_cast<int32_t*>(ws) : nullptr;
   const PageMap pages = c.pages();
 
@@ -787,7 +806,8 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
     launch_pdl(select_blocks_kernel, dim3(unsigned(T), unsigned(p.num_index_heads)), dim3(kSelectThreads), smem, on, a);
   }
 
-  // 3. split-KV attention (topk_blocks = 0 on a sparse layer: no kept blocks, zero segments)
+  // 3. split-KV attention, its splits merged by the last to finish (topk_blocks = 0 on a sparse
+  // layer: no kept blocks, zero segments)
   SplitArgs a{};
   a.q = p.q;
   a.k_cache = c.k;
@@ -807,26 +827,11 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   a.heads = std::min(group, kMaxWarps);
   a.out = p.out;
   switch (p.head_dim) {
-    case 32: launch_split<32>(plan, ws + kept_region, T, a, on); break;
-    case 64: launch_split<64>(plan, ws + kept_region, T, a, on); break;
-    case 128: launch_split<128>(plan, ws + kept_region, T, a, on); break;
-    case 256: launch_split<256>(plan, ws + kept_region, T, a, on); break;
+    case 32: launch_split<32>(plan, arrivals, ws + kept_region, T, a, on); break;
+    case 64: launch_split<64>(plan, arrivals, ws + kept_region, T, a, on); break;
+    case 128: launch_split<128>(plan, arrivals, ws + kept_region, T, a, on); break;
+    case 256: launch_split<256>(plan, arrivals, ws + kept_region, T, a, on); break;
     default: check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim));
-  }
-
-  // 4. combine
-  if (a.num_splits > 1) {
-    CombineArgs ca{};
-    ca.ml = a.ml;
-    ca.acc = a.acc;
-    ca.positions = p.positions;
-    ca.out = p.out;
-    ca.num_q_heads = p.num_q_heads;
-    ca.head_dim = p.head_dim;
-    ca.num_splits = a.num_splits;
-    ca.chunk = a.chunk;
-    launch_pdl(attention_combine_kernel, dim3(unsigned(T), unsigned(p.num_q_heads)), dim3(unsigned(p.head_dim)), 0, on,
-               ca);
   }
 }
 

@@ -56,14 +56,17 @@ struct AttentionKernelParams {
   int topk_blocks = 0;
   int local_blocks = 0;
   __nv_bfloat16* out = nullptr;  // [T, num_q_heads * head_dim]
-  void* workspace = nullptr;     // attention_workspace_bytes(...) bytes
+  void* workspace = nullptr;     // attention_workspace_bytes(...) bytes, its head zeroed (below)
   size_t workspace_bytes = 0;
 };
 
-// Scratch the launch needs (split-KV partials, per-(token, index head) kept-block lists), for at
-// most `max_tokens` tokens of a step.
+// Scratch the launch needs (the splits' arrival counters, split-KV partials, per-(token, index
+// head) kept-block lists), for at most `max_tokens` tokens of a step.
 size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_heads, int head_dim, int max_len,
                                  int block_size, int topk_blocks);
+// The workspace's first attention_workspace_zeroed_bytes() bytes (the splits' arrival counters)
+// must be zero before its first launch; every launch leaves them zero. The rest needs no init.
+size_t attention_workspace_zeroed_bytes();
 
 // Writes the step's k, v (and index_k) into the cache (unless cache_written), selects blocks on
 // sparse layers, attends.

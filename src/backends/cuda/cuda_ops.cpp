@@ -208,6 +208,8 @@ void CudaOps::init_cache(const CacheShape& shape) {
               double(total + attention_workspace_bytes_) / (1ull << 30), double(free_bytes) / (1ull << 30));
   cudaFree(attention_workspace_);
   CUDA_CHECK(cudaMalloc(&attention_workspace_, std::max<size_t>(attention_workspace_bytes_, 1)));
+  // Its head, the split kernel's arrival counters, starts at zero; every launch leaves it so.
+  CUDA_CHECK(cudaMemsetAsync(attention_workspace_, 0, attention_workspace_zeroed_bytes(), stream_));
 
   // The page table starts as the identity (what a step without a table means, StepTokens).
   void* table = nullptr;
