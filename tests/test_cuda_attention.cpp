@@ -351,7 +351,10 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{"sparse_gqa4_hd64_bs8_top16_local2", 8, 2, 64, true, 64, 8, 16, 2, 2048, 700},
                       // contexts past 16 blocks of 64: the top-16 selection matters in decode
                       AttnCase{"sparse_gqa16_hd64_bs64_top16_local2", 16, 1, 64, true, 128, 64, 16, 2, 4096, 1500},
-                      AttnCase{"sparse_gqa1_hd32_bs8_top2_local2", 4, 4, 32, true, 32, 8, 2, 2, 512, 300}),
+                      AttnCase{"sparse_gqa1_hd32_bs8_top2_local2", 4, 4, 32, true, 32, 8, 2, 2, 512, 300},
+                      // index heads of 256 dims: block selection's general scoring loop (the 4-step
+                      // one takes up to 128)
+                      AttnCase{"sparse_gqa4_hd64_ihd256_bs16_top4_local1", 8, 2, 64, true, 256, 16, 4, 1, 1024, 500}),
     [](const ::testing::TestParamInfo<AttnCase>& info) { return std::string(info.param.name); });
 
 TEST(CudaAttentionErrors, UnsupportedHeadDimThrows) {

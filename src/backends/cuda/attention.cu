@@ -30,10 +30,14 @@
 //    accumulates head dims [l*HD/32, (l+1)*HD/32). A block may hold several key groups (up to 32
 //    warps in all): group g takes tiles g, g + G, ... of the block's keys, all groups one tile a
 //    step between block barriers, and group 0 merges the groups' (m, l, acc) in group order at
-//    the end, as the combine does. That is the split-KV parallelism of a short context inside one
-//    block, with no combine launch behind it, where a KV group's query heads are few and narrow
-//    (choose_key_groups: a block's tile reads from shared memory bound it; MiniMax-M3's 8-16 heads
-//    of 128 a KV group take one group).
+//    the end, as the splits' merge below does. That is the split-KV parallelism of a short context
+//    inside one block, where a KV group's query heads are few and narrow (choose_key_groups: a
+//    block's tile reads from shared memory bound it; MiniMax-M3's 8-16 heads of 128 a KV group take
+//    one group). A block of one key group pipelines its walk instead: two tile buffers, tile j + 1's
+//    pool rows looked up and its K/V rows copied by cp.async (zero-filled where invisible) while
+//    tile j is scored, one barrier a tile (a tile's lookup, loads and two barriers one after
+//    another measured ~3 us a tile; the pipelined walk took a batch-1 step of the tp-8 rank 2%
+//    shorter, docs/PERF.md).
 //    With one split the block writes the bf16 output directly. Otherwise each split writes its
 //    partials (m, l, acc[HD], fp32) to the workspace and counts itself in on the (token, block
 //    row)'s arrival counter; the block that arrives last - all the splits that ran (split s ran
@@ -262,28 +266,66 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   // lane takes part in the shuffles.
   const int sub = lane / 8, lane8 = lane % 8, chunks = ihd / 8;
   const int32_t* slot_pages = a.pages.slot_pages(slot);
-  for (int s0 = warp * 4; s0 <= pos; s0 += num_warps * 4) {
-    const int s = s0 + sub;
-    float acc = 0.f;
-    if (s <= pos) {
-      const __nv_bfloat16* k_row = a.index_k_cache + PageMap::row(slot_pages, a.pages.shift, s) * ihd;
-      for (int c = lane8; c < chunks; c += 8) {
-        const uint4 kv = *reinterpret_cast<const uint4*>(k_row + c * 8);
-        const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&kv);
-        const float* qc = iq + c * 8;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(h[i]);
-          acc = fmaf(qc[2 * i], f.x, acc);
-          acc = fmaf(qc[2 * i + 1], f.y, acc);
-        }
-      }
-    }
+  // One key's score from this lane's loaded chunks (the 8 lanes of the key summed): into its block's key.
+  auto score = [&](int s, float acc) {
     acc += __shfl_xor_sync(0xffffffffu, acc, 4);
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     // NaN scores are skipped, as std::max(block, NaN) keeps the block's value in the oracle.
     if (lane8 == 0 && s <= pos && !isnan(acc)) atomicMax(&block_key[s / bs], order_key(acc));
+  };
+  auto dot_chunk = [&](uint4 kv, int c, float acc) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&kv);
+    const float* qc = iq + c * 8;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 f = __bfloat1622float2(h[i]);
+      acc = fmaf(qc[2 * i], f.x, acc);
+      acc = fmaf(qc[2 * i + 1], f.y, acc);
+    }
+    return acc;
+  };
+  if (chunks <= 16) {
+    // Index heads of up to 128 dims (two 16-byte chunks a lane): kU steps of the general loop below
+    // at once - every page lookup, then every key load, then the sums (in the loop's order) - so a
+    // warp waits on its chain of dependent loads once per kU steps instead of once a step.
+    constexpr int kU = 4;
+    const int stride = num_warps * 4;
+    for (int s0 = warp * 4; s0 <= pos; s0 += stride * kU) {
+      size_t row[kU];
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        const int s = s0 + u * stride + sub;
+        row[u] = s <= pos ? PageMap::row(slot_pages, a.pages.shift, s) : 0;
+      }
+      uint4 kv[kU][2];
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int c = lane8 + 8 * j, s = s0 + u * stride + sub;
+          kv[u][j] = s <= pos && c < chunks ? *reinterpret_cast<const uint4*>(a.index_k_cache + row[u] * ihd + c * 8)
+                                            : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+      for (int u = 0; u < kU; ++u) {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+          if (lane8 + 8 * j < chunks) acc = dot_chunk(kv[u][j], lane8 + 8 * j, acc);
+        score(s0 + u * stride + sub, acc);
+      }
+    }
+  } else {
+    for (int s0 = warp * 4; s0 <= pos; s0 += num_warps * 4) {
+      const int s = s0 + sub;
+      float acc = 0.f;
+      if (s <= pos) {
+        const __nv_bfloat16* k_row = a.index_k_cache + PageMap::row(slot_pages, a.pages.shift, s) * ihd;
+        for (int c = lane8; c < chunks; c += 8) acc = dot_chunk(*reinterpret_cast<const uint4*>(k_row + c * 8), c, acc);
+      }
+      score(s, acc);
+    }
   }
   __syncthreads();
   if (tid == 0)
@@ -368,14 +410,16 @@ struct SplitArgs {
   int chunk;
   int heads;           // warps of a key group: min(group, kMaxWarps)
   int key_groups;      // G: groups of `heads` warps walking the block's tiles side by side
+  int pipelined;       // G == 1 only: two tile buffers, the next tile copied (cp.async) while one is scored
   __nv_bfloat16* out;  // written when num_splits == 1
   float2* ml;          // [T*nq][S] (m in log2 units, l)
   float* acc;          // [T*nq][S][HD]
   int* arrivals;       // [T][nkv * head_chunks] splits of the row done so far; zero between launches
 };
 
-// Dynamic shared memory of attention_split_kernel<HD>: q_s [heads][HD] bf16, then per key group its
-// K tile [kTile][HD + 8], V tile [kTile][HD] (bf16) and tile_pos [kTile] (int). After the walk a group's
+// Dynamic shared memory of attention_split_kernel<HD>: q_s [heads][HD] bf16, then per key group (per
+// tile buffer of the pipelined walk: two) its K tile [kTile][HD + 8], V tile [kTile][HD] (bf16) and
+// tile_pos [kTile] (int; the pipelined walk keeps pool rows there). After the walk a group's
 // tile space holds its (m, l) per head and then acc [heads][HD] (fp32) for the merge.
 template <int HD>
 struct SplitSmem {
@@ -390,6 +434,15 @@ struct SplitSmem {
     return q_bytes(heads) + size_t(key_groups) * kGroupBytes;
   }
 };
+
+// 16 bytes global -> shared without the registers (cp.async.cg: L2 only); zeros where !valid.
+__device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid) {
+  const unsigned dst = unsigned(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 template <int HD>
 __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(const SplitArgs a) {
@@ -477,72 +530,114 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
 #pragma unroll
   for (int i = 0; i < kDpl; ++i) acc[i] = 0.f;
 
-  // Step j: key group kg takes tile j * G + kg (the trip count is the block's, so every thread meets
-  // every barrier; a group past the last tile idles through the step).
-  for (int step0 = 0; step0 < tiles; step0 += G) {
-    const int tile = step0 + kg;
-    const bool has_tile = tile < tiles;
-    const int i0 = tile * kTile;
-    if (has_tile && gtid < kTile) {
-      const int i = i0 + gtid;
-      int p = -1;
-      if (i < total) {  // the last segment e with seg_off[e] <= i holds key number i
-        int lo_e = 0, hi_e = num_segs - 1;
-        while (lo_e < hi_e) {
-          const int mid = (lo_e + hi_e + 1) / 2;
-          if (seg_off[mid] <= i)
-            lo_e = mid;
-          else
-            hi_e = mid - 1;
-        }
-        p = seg_start[lo_e] + (i - seg_off[lo_e]);
-      }
-      tile_pos[gtid] = p;
+  // Key number i of the block's visible keys -> its position (-1 past the last): the last segment e
+  // with seg_off[e] <= i holds it.
+  auto key_position = [&](int i) {
+    if (i >= total) return -1;
+    int lo_e = 0, hi_e = num_segs - 1;
+    while (lo_e < hi_e) {
+      const int mid = (lo_e + hi_e + 1) / 2;
+      if (seg_off[mid] <= i)
+        lo_e = mid;
+      else
+        hi_e = mid - 1;
     }
-    __syncthreads();
-    if (has_tile) {
-      for (int idx = gtid; idx < kTile * kChunks; idx += group_threads) {
+    return seg_start[lo_e] + (i - seg_off[lo_e]);
+  };
+  // This warp's head over one tile in shared memory (keys i0 .., zero rows past the last key):
+  // the online softmax's m, l and acc updated.
+  auto score_tile = [&](int i0, const __nv_bfloat16* kt, const __nv_bfloat16* vt) {
+    const int n = min(kTile, total - i0);  // slots [0, n) hold keys; the rest are zero rows
+    float s = -INFINITY;
+    if (lane < n) {
+      float d = 0.f;
+      const uint4* qv = reinterpret_cast<const uint4*>(q_s + hw * HD);
+      const uint4* kr = reinterpret_cast<const uint4*>(kt + lane * kKStride);
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) d = dot8(qv[c], kr[c], d);
+      s = d * a.scale_log2;
+    }
+    const float m_new = fmaxf(m, warp_max(s));  // finite: slot 0 always holds a key
+    const float alpha = exp2f(m - m_new);       // 0 on the first tile (m = -inf)
+    const float pr = lane < n ? exp2f(s - m_new) : 0.f;
+    l = l * alpha + warp_sum(pr);
+#pragma unroll
+    for (int i = 0; i < kDpl; ++i) acc[i] *= alpha;
+#pragma unroll
+    for (int j = 0; j < kTile; ++j) {
+      const float pj = __shfl_sync(0xffffffffu, pr, j);
+      float vj[kDpl];
+      load_bf16<kDpl>(vt + j * HD + lane * kDpl, vj);
+#pragma unroll
+      for (int i = 0; i < kDpl; ++i) acc[i] = fmaf(pj, vj[i], acc[i]);
+    }
+    m = m_new;
+  };
+
+  if (a.pipelined) {
+    // One key group, two tile buffers (G's space for two): tile j + 1's pool rows are looked up and
+    // its keys and values copied (cp.async, no registers) while tile j is scored; one barrier a tile.
+    auto buffer = [&](int b) { return split_smem + Smem::q_bytes(a.heads) + size_t(b) * Smem::kGroupBytes; };
+    auto k_buf = [&](int b) { return reinterpret_cast<__nv_bfloat16*>(buffer(b)); };
+    auto v_buf = [&](int b) { return k_buf(b) + kTile * kKStride; };
+    auto rows_buf = [&](int b) { return reinterpret_cast<int*>(v_buf(b) + kTile * HD); };  // pool row, -1: none
+    auto stage_rows = [&](int tile, int b) {
+      if (tid < kTile) {
+        const int p = key_position(tile * kTile + tid);
+        rows_buf(b)[tid] = p >= 0 ? int(PageMap::row(slot_pages, a.pages.shift, p)) : -1;
+      }
+    };
+    auto copy_tile = [&](int b) {
+      const int* rows = rows_buf(b);
+      for (int idx = tid; idx < kTile * kChunks; idx += blockDim.x) {
         const int r = idx / kChunks, c = idx % kChunks;
-        const int p = tile_pos[r];
-        uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
-        if (p >= 0) {
-          const size_t off = PageMap::row(slot_pages, a.pages.shift, p) * pos_stride + head_offset + size_t(c) * 8;
-          kv = *reinterpret_cast<const uint4*>(a.k_cache + off);
-          vv = *reinterpret_cast<const uint4*>(a.v_cache + off);
+        const int row = rows[r];
+        const size_t off = size_t(max(row, 0)) * pos_stride + head_offset + size_t(c) * 8;
+        cp_async16(k_buf(b) + r * kKStride + c * 8, a.k_cache + off, row >= 0);
+        cp_async16(v_buf(b) + r * HD + c * 8, a.v_cache + off, row >= 0);
+      }
+      cp_async_commit();
+    };
+    if (tiles > 0) {
+      stage_rows(0, 0);
+      __syncthreads();
+      copy_tile(0);
+    }
+    for (int tile = 0; tile < tiles; ++tile) {
+      const int b = tile & 1;
+      if (tile + 1 < tiles) stage_rows(tile + 1, b ^ 1);  // its buffer's last reader passed the last barrier
+      cp_async_wait_all();                                // this thread's copies of tile
+      __syncthreads();                                    // everyone's; and tile + 1's rows
+      if (tile + 1 < tiles) copy_tile(b ^ 1);             // buffer b ^ 1 was last scored before the barrier
+      if (active) score_tile(tile * kTile, k_buf(b), v_buf(b));
+    }
+  } else {
+    // Step j: key group kg takes tile j * G + kg (the trip count is the block's, so every thread meets
+    // every barrier; a group past the last tile idles through the step).
+    for (int step0 = 0; step0 < tiles; step0 += G) {
+      const int tile = step0 + kg;
+      const bool has_tile = tile < tiles;
+      const int i0 = tile * kTile;
+      if (has_tile && gtid < kTile) tile_pos[gtid] = key_position(i0 + gtid);
+      __syncthreads();
+      if (has_tile) {
+        for (int idx = gtid; idx < kTile * kChunks; idx += group_threads) {
+          const int r = idx / kChunks, c = idx % kChunks;
+          const int p = tile_pos[r];
+          uint4 kv = make_uint4(0, 0, 0, 0), vv = make_uint4(0, 0, 0, 0);
+          if (p >= 0) {
+            const size_t off = PageMap::row(slot_pages, a.pages.shift, p) * pos_stride + head_offset + size_t(c) * 8;
+            kv = *reinterpret_cast<const uint4*>(a.k_cache + off);
+            vv = *reinterpret_cast<const uint4*>(a.v_cache + off);
+          }
+          *reinterpret_cast<uint4*>(k_tile + r * kKStride + c * 8) = kv;
+          *reinterpret_cast<uint4*>(v_tile + r * HD + c * 8) = vv;
         }
-        *reinterpret_cast<uint4*>(k_tile + r * kKStride + c * 8) = kv;
-        *reinterpret_cast<uint4*>(v_tile + r * HD + c * 8) = vv;
       }
+      __syncthreads();
+      if (has_tile && active) score_tile(i0, k_tile, v_tile);
+      __syncthreads();  // the next step overwrites tile_pos, k_tile, v_tile
     }
-    __syncthreads();
-    if (has_tile && active) {
-      const int n = min(kTile, total - i0);  // slots [0, n) hold keys; the rest are zero rows
-      float s = -INFINITY;
-      if (lane < n) {
-        float d = 0.f;
-        const uint4* qv = reinterpret_cast<const uint4*>(q_s + hw * HD);
-        const uint4* kr = reinterpret_cast<const uint4*>(k_tile + lane * kKStride);
-#pragma unroll
-        for (int c = 0; c < kChunks; ++c) d = dot8(qv[c], kr[c], d);
-        s = d * a.scale_log2;
-      }
-      const float m_new = fmaxf(m, warp_max(s));  // finite: slot 0 always holds a key
-      const float alpha = exp2f(m - m_new);       // 0 on the first tile (m = -inf)
-      const float pr = lane < n ? exp2f(s - m_new) : 0.f;
-      l = l * alpha + warp_sum(pr);
-#pragma unroll
-      for (int i = 0; i < kDpl; ++i) acc[i] *= alpha;
-#pragma unroll
-      for (int j = 0; j < kTile; ++j) {
-        const float pj = __shfl_sync(0xffffffffu, pr, j);
-        float vj[kDpl];
-        load_bf16<kDpl>(v_tile + j * HD + lane * kDpl, vj);
-#pragma unroll
-        for (int i = 0; i < kDpl; ++i) acc[i] = fmaf(pj, vj[i], acc[i]);
-      }
-      m = m_new;
-    }
-    __syncthreads();  // the next step overwrites tile_pos, k_tile, v_tile
   }
 
   if (G > 1) {
@@ -673,7 +768,9 @@ void launch_split(const SplitPlan& plan, int* arrivals, unsigned char* partials,
   a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(partials + align_up(rows * sizeof(float2))) : nullptr;
   a.arrivals = arrivals;
   const dim3 grid(unsigned(num_tokens), unsigned(a.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
-  const size_t smem = SplitSmem<HD>::bytes(a.heads, a.key_groups);
+  a.pipelined =
+      a.key_groups == 1 && SplitSmem<HD>::bytes(a.heads, 2) + (2 * kMaxTopk + 1) * sizeof(int) <= kSmemOptInMax;
+  const size_t smem = SplitSmem<HD>::bytes(a.heads, a.pipelined ? 2 : a.key_groups);
   if (smem > 48 * 1024)
     CUDA_CHECK(
         cudaFuncSetAttribute(attention_split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
