@@ -43,9 +43,9 @@
 //    row)'s arrival counter; the block that arrives last - all the splits that ran (split s ran
 //    iff s*chunk <= pos) are in then - merges them in split order, writes bf16 and sets the
 //    counter back to zero for the next launch. The merge rides in the split kernel instead of a
-//    launch of its own, whose link in a batch-1 step was 5.1 us (docs/PERF.md), for a fence and an
-//    atomic a block. A query that sees no key at all (only possible with topk_blocks = 0) gets zeros
-//    (the CPU oracle gives NaN there).
+//    launch of its own (a launch fewer a layer; the combine's 5.1 us link in a batch-1 step mostly
+//    moved into the last block's merge, docs/PERF.md). A query that sees no key at all (only
+//    possible with topk_blocks = 0) gets zeros (the CPU oracle gives NaN there).
 //
 // Workspace layout (attention_workspace_bytes): [arrivals int32 kMaxPartialRows: zero between
 //   launches][kept int32 T*nih*topk][pad to 256 B][ml float2 T*nq*S][acc float T*nq*S*HD], the
