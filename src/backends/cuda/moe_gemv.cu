@@ -155,26 +155,41 @@ struct GateUpRows {
 //
 // gate_up: items (slot, j), j fastest (a slot's rows in order); kSplit warps of a block share an item,
 // warp slice i taking the 16-byte chunks i, i + kSplit, ... of both rows (more warps in flight where
-// there are few items: 1920 at the tp-8 width), their sums added in slice order. With routing
-// inside, each warp routes the token itself (the router's logits are the previous launch's output)
-// and block 0's first warp stores the slots; otherwise the slot ids come from the previous launch.
+// there are few items: 1920 at the tp-8 width), their sums added in slice order.
+// With routing inside, the items take the shared slots first: their rows are known without the
+// router (the rows after the routed experts), so a warp whose item is a shared row issues its first
+// loads before the PDL wait, under the router GEMV's tail, and routes the token itself (from the
+// router's logits, the previous launch's output) only at its first routed item; block 0's first warp
+// stores the slots at the end. The sums and the act row of an item do not depend on the order.
+// Without routing inside, the slot ids come from the previous launch: read after the wait.
+// bf16 is held to 7 blocks an SM (72 registers, no spills): the routing state kept across the loop
+// took it to 84 registers and 6 blocks, measured 3.5% slower (docs/PERF.md).
 template <bool kFp8, int kLoads, int kSplit>
-__global__ void __launch_bounds__(kWarps* kWarp) moe_gate_up_gemv_kernel(const MoeGemvParams p) {
+__global__ void __launch_bounds__(kWarps* kWarp, kFp8 ? 1 : 7) moe_gate_up_gemv_kernel(const MoeGemvParams p) {
   constexpr int kPerLoad = kFp8 ? 16 : 8, kPass = kWarp * kPerLoad;
   constexpr int kItemsPerBlock = kWarps / kSplit;
   __shared__ float partial[kWarps][2];
-  pdl_wait();
-  pdl_trigger();
+  PdlWaitOnce wait_once;
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, slice = warp % kSplit;
-  const TokenSlots slots = token_slots(p, lane);
-  if (p.route.logits != nullptr && blockIdx.x == 0 && threadIdx.x < kWarp) store_route(p.route, 0, slots.choice, lane);
+  const bool inside = p.route.logits != nullptr;
+  const int first_shared = inside ? p.route.top_k : p.slots;  // slots [first_shared, slots): shared rows
+  TokenSlots slots;
+  bool routed = false;
+  auto route_once = [&] {
+    if (routed) return;
+    wait_once();
+    slots = token_slots(p, lane);
+    routed = true;
+  };
   const int items = p.slots * p.inter;
   const int stride = kSplit * kPass;                                       // k between a lane's chunks
   const int steps = (p.hidden + kLoads * stride - 1) / (kLoads * stride);  // of kLoads chunks per row
   for (int base = blockIdx.x * kItemsPerBlock; base < items; base += gridDim.x * kItemsPerBlock) {
     const int item = base + warp / kSplit;
-    const int s = item / p.inter, j = item % p.inter;
-    const int e = item < items ? slots.row(p, s) : -1;
+    const int s = (item / p.inter + (inside ? first_shared : 0)) % p.slots, j = item % p.inter;
+    const bool shared_row = s >= first_shared;
+    if (item < items && !shared_row) route_once();
+    const int e = item >= items ? -1 : shared_row ? p.route.num_experts + (s - first_shared) : slots.row(p, s);
     const bool live = e >= 0 && e < p.num_rows;  // else a routing bug: the down kernel writes NaN
     float g = 0.f, u = 0.f;
     if (live) {
@@ -190,10 +205,11 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_gate_up_gemv_kernel(const M
               u = dot_load<kFp8>(w[2 * i + 1], sc[2 * i + 1], p.x, k, u);
             }
           },
-          [] {});
+          wait_once);
       g = warp_sum(g);
       u = warp_sum(u);
     }
+    wait_once();  // before the item's stores (a no-op after the first)
     if constexpr (kSplit > 1) {
       if (lane == 0) {
         partial[warp][0] = g;
@@ -211,6 +227,11 @@ __global__ void __launch_bounds__(kWarps* kWarp) moe_gate_up_gemv_kernel(const M
     }
     if (live && slice == 0 && lane == 0)
       p.act[size_t(s) * p.inter + j] = __bfloat16_as_ushort(__float2bfloat16_rn(swiglu_oai(g, u, p.alpha, p.limit)));
+  }
+  wait_once();  // a warp without items waits too
+  if (inside && blockIdx.x == 0 && threadIdx.x < kWarp) {
+    route_once();
+    store_route(p.route, 0, slots.choice, lane);
   }
 }
 
