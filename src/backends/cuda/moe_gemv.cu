@@ -162,8 +162,9 @@ struct GateUpRows {
 // router's logits, the previous launch's output) only at its first routed item; block 0's first warp
 // stores the slots at the end. The sums and the act row of an item do not depend on the order.
 // Without routing inside, the slot ids come from the previous launch: read after the wait.
-// bf16 is held to 7 blocks an SM (72 registers, no spills): the routing state kept across the loop
-// took it to 84 registers and 6 blocks, measured 3.5% slower (docs/PERF.md).
+// bf16 is held to 7 blocks an SM (at most 72 registers; it compiles to 68 without spills, as before
+// this order): unbounded, an experimental form of this loop kept its routing state in 84 registers,
+// 6 blocks an SM, and measured 3.5% slower (docs/PERF.md).
 template <bool kFp8, int kLoads, int kSplit>
 __global__ void __launch_bounds__(kWarps* kWarp, kFp8 ? 1 : 7) moe_gate_up_gemv_kernel(const MoeGemvParams p) {
   constexpr int kPerLoad = kFp8 ? 16 : 8, kPass = kWarp * kPerLoad;
