@@ -327,8 +327,12 @@ void OpenAIServer::Impl::setup_routes() {
     }
     send_json(res, 500, error_json(500, message));
   });
+  // Responses are counted by the post-routing handler, which runs for every response (errors too) just
+  // before its status line is written: a client that has its answer and then reads /metrics finds it
+  // counted. The logger runs only once the response is sent, so counting there raced that read.
+  http.set_post_routing_handler(
+      [this](const httplib::Request&, httplib::Response& res) { metrics.record_response(res.status); });
   http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
-    metrics.record_response(res.status);
     if (options.access_log) std::fprintf(stderr, "%s %s %d\n", req.method.c_str(), req.path.c_str(), res.status);
   });
 
