@@ -47,6 +47,28 @@ TEST(CudaEngine, EmulatedRankMatchesTheCpuOracle) {
   }
 }
 
+// MXFP8 weights generated on the device with the shared expert unfused: its row-parallel down is a
+// column gather of one block (one shared expert), which the generator once refused. Rank 0 of tp 2
+// (the tiny preset's shared width 64 halves to 32, one scale block).
+TEST(CudaEngine, EmulatedMxfp8RankWithTheSharedExpertUnfusedMatchesTheCpuOracle) {
+  TPMOE_REQUIRE_GPU();
+  const GenerateRequest req = teacher_forced(512, 2);
+  EngineOptions gpu, cpu;
+  gpu.device = "cuda";
+  gpu.emulate_tp = cpu.emulate_tp = 2;
+  gpu.preset_dtype = cpu.preset_dtype = "mxfp8";
+  gpu.shared_expert_fusion = cpu.shared_expert_fusion = false;
+  const GenerateResult a = Engine::from_preset("tiny", std::nullopt, 11, gpu)->generate(req);
+  const GenerateResult b = Engine::from_preset("tiny", std::nullopt, 11, cpu)->generate(req);
+  const double prefill = test::relative_l2(test::concat(a.prefill_logits), test::concat(b.prefill_logits));
+  const double steps = test::relative_l2(test::concat(a.step_logits), test::concat(b.step_logits));
+  std::printf(
+      "MXFP8, shared expert unfused, emulated rank 0 of tp 2, GPU vs CPU: relative L2 prefill %.3g, steps %.3g\n",
+      prefill, steps);
+  EXPECT_LT(prefill, kModelTolerance);
+  EXPECT_LT(steps, kModelTolerance);
+}
+
 TEST(CudaEngine, RoutingStatsCountTheRealSequencesOnly) {
   TPMOE_REQUIRE_GPU();
   const ModelConfig config = preset_config("tiny");

@@ -111,10 +111,11 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
       CUDA_CHECK(cudaMemcpy(t.data, v.data(), t.nbytes(), cudaMemcpyHostToDevice));
       continue;
     }
-    TPMOE_CHECK(!quantized || !e.concat_columns,
-                "MXFP8 presets: {} gathers columns of several shared experts; generate it with one shared expert or "
+    // A column gather of one block is the block itself, row-major: only several blocks interleave.
+    TPMOE_CHECK(!quantized || !e.concat_columns || e.blocks.size() == 1,
+                "MXFP8 presets: {} gathers columns of {} shared experts; generate it with one shared expert or "
                 "with shared-expert fusion on",
-                e.name);
+                e.name, e.blocks.size());
     const int64_t row_length = e.shape.back();
     int64_t offset = 0;  // elements (concat_columns: columns) written so far
     for (const Block& b : e.blocks) {
