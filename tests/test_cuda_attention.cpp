@@ -47,6 +47,10 @@ struct AttnCase {
   int ihd, bs, topk, local;  // indexer (sparse only)
   int max_len;
   int decode_ctx;  // longest context prefilled before the decode steps
+  // Every step's context bound (AttentionKernelParams::context_bound; 0: max_len), as CudaOps sets it
+  // from the step's positions. A sparse case whose bound has at most topk blocks runs without the
+  // selection launch (attention_keeps_every_block).
+  int context_bound = 0;
 };
 
 std::ostream& operator<<(std::ostream& os, const AttnCase& c) { return os << c.name; }
@@ -189,6 +193,7 @@ class Harness {
     p.positions = dpos.get();
     p.seq_slots = dslots.get();
     p.num_tokens = T;
+    p.context_bound = c_.context_bound;
     p.num_q_heads = nq;
     p.num_kv_heads = nkv;
     p.head_dim = hd;
@@ -241,11 +246,15 @@ class Harness {
 
     // Kept blocks: past the arrival counters the workspace holds int32 [T][nih][topk] kept-block
     // lists, -1 padded (the layout attention.cu's header states); as sets they must equal the
-    // oracle's selection.
+    // oracle's selection. Where the bound keeps every block there was no selection: the lists are
+    // the poison still, and the oracle's selection keeps every block up to each query's.
+    const bool every_block_kept =
+        c_.sparse && cuda::attention_keeps_every_block(c_.context_bound > 0 ? c_.context_bound : L, c_.bs, c_.topk);
     if (c_.sparse && c_.topk > 0) {
       std::vector<int32_t> kept(size_t(T) * nih * c_.topk);
       CUDA_CHECK(cudaMemcpy(kept.data(), dws.get() + zeroed, kept.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
       int set_mismatches = 0;
+      size_t poisoned_entries = 0;
       for (int t = 0; t < T; ++t) {
         const int pos = positions[t];
         std::vector<float> scores(size_t(pos) + 1);
@@ -261,7 +270,15 @@ class Harness {
           std::vector<int> got;
           for (int e = 0; e < c_.topk; ++e) {
             const int b = kept[(size_t(t) * nih + g) * c_.topk + e];
-            if (b != -1) got.push_back(b);
+            if (every_block_kept) {
+              poisoned_entries += b == 0x7F7F7F7F;
+            } else if (b != -1) {
+              got.push_back(b);
+            }
+          }
+          if (every_block_kept) {  // the layer ran as full attention over [0, pos]: blocks 0 .. pos / bs
+            got.resize(size_t(pos / c_.bs + 1));
+            std::iota(got.begin(), got.end(), 0);
           }
           std::sort(want.begin(), want.end());
           std::sort(got.begin(), got.end());
@@ -270,6 +287,9 @@ class Harness {
         }
       }
       EXPECT_EQ(set_mismatches, 0);
+      if (every_block_kept) {
+        EXPECT_EQ(poisoned_entries, kept.size()) << "the selection ran where it keeps every block";
+      }
     }
   }
 
@@ -354,7 +374,11 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{"sparse_gqa1_hd32_bs8_top2_local2", 4, 4, 32, true, 32, 8, 2, 2, 512, 300},
                       // index heads of 256 dims: block selection's general scoring loop (the 4-step
                       // one takes up to 128)
-                      AttnCase{"sparse_gqa4_hd64_ihd256_bs16_top4_local1", 8, 2, 64, true, 256, 16, 4, 1, 1024, 500}),
+                      AttnCase{"sparse_gqa4_hd64_ihd256_bs16_top4_local1", 8, 2, 64, true, 256, 16, 4, 1, 1024, 500},
+                      // a tp-8 rank of MiniMax-M3 at contexts below 1024 (CudaOps' bound there): 16 blocks
+                      // of 64 kept out of at most 16, so no selection launch; decode reaches position 1001
+                      AttnCase{"sparse_gqa8_hd128_bs64_top16_local2_bound1024", 8, 1, 128, true, 128, 64, 16, 2, 2048,
+                               1000, 1024}),
     [](const ::testing::TestParamInfo<AttnCase>& info) { return std::string(info.param.name); });
 
 TEST(CudaAttentionErrors, UnsupportedHeadDimThrows) {

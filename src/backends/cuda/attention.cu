@@ -18,6 +18,8 @@
 //    list int32 [T][nih][topk] in the workspace, ascending, -1 padded. Shared memory holds one
 //    uint32 per block of max_len: ceil(max_len/bs)*4 bytes (16 KiB at 256k keys, bs 64).
 //    Bytes: T * nih * pos * ihd * 2 (index keys, read once per index head).
+//    Not launched where the step's context bound has no more blocks than topk_blocks: every
+//    visible block would be kept, so the layer runs as a full one (attention_keeps_every_block).
 // 3. attention_split_kernel<HD> (flash-decoding), grid (token, kv head x head chunk, split):
 //    one block serves up to 16 query heads of one KV group (one warp per query head: a key group of
 //    warps), so a K/V tile is read once for the group. Splits cut [0, context bound) into fixed
@@ -444,6 +446,29 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
+// The merge of n partial softmax states of one head, in index order, as the split kernel merges both
+// its key groups (from shared memory) and its splits (from the workspace): ml(i) gives state i's
+// (m in log2 units, l), acc(i, d) its sum for this lane's head dim d. A state that saw no key (m =
+// -inf) is skipped. Returns the merged m and sets l and the sums (zeros where no state saw a key).
+template <int kDpl, class Ml, class Acc>
+__device__ __forceinline__ float merge_states(int n, Ml&& ml, Acc&& acc, float& l, float (&sums)[kDpl]) {
+  float m_max = -INFINITY;
+  for (int i = 0; i < n; ++i) m_max = fmaxf(m_max, ml(i).x);
+  l = 0.f;
+#pragma unroll
+  for (int d = 0; d < kDpl; ++d) sums[d] = 0.f;
+  if (m_max == -INFINITY) return m_max;
+  for (int i = 0; i < n; ++i) {
+    const float2 v = ml(i);
+    if (v.x == -INFINITY) continue;
+    const float w = exp2f(v.x - m_max);
+    l += w * v.y;
+#pragma unroll
+    for (int d = 0; d < kDpl; ++d) sums[d] = fmaf(w, acc(i, d), sums[d]);
+  }
+  return m_max;
+}
+
 template <int HD>
 __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(const SplitArgs a) {
   using Smem = SplitSmem<HD>;
@@ -657,25 +682,13 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   const bool writer = active && kg == 0;
   if (G > 1 && writer) {
     const unsigned char* groups = split_smem + Smem::q_bytes(a.heads);
-    float m_max = -INFINITY;
-    for (int g = 0; g < G; ++g)
-      m_max = fmaxf(m_max, reinterpret_cast<const float2*>(groups + size_t(g) * Smem::kGroupBytes)[hw].x);
-    l = 0.f;
-#pragma unroll
-    for (int i = 0; i < kDpl; ++i) acc[i] = 0.f;
-    if (m_max != -INFINITY) {
-      for (int g = 0; g < G; ++g) {
-        const unsigned char* at = groups + size_t(g) * Smem::kGroupBytes;
-        const float2 v = reinterpret_cast<const float2*>(at)[hw];
-        if (v.x == -INFINITY) continue;  // a group that saw no key
-        const float w = exp2f(v.x - m_max);
-        l += w * v.y;
-        const float* ga = reinterpret_cast<const float*>(at + Smem::kMergeAccOffset) + hw * HD + lane * kDpl;
-#pragma unroll
-        for (int i = 0; i < kDpl; ++i) acc[i] = fmaf(w, ga[i], acc[i]);
-      }
-    }
-    m = m_max;
+    m = merge_states<kDpl>(
+        G, [&](int g) { return reinterpret_cast<const float2*>(groups + size_t(g) * Smem::kGroupBytes)[hw]; },
+        [&](int g, int i) {
+          const unsigned char* at = groups + size_t(g) * Smem::kGroupBytes + Smem::kMergeAccOffset;
+          return reinterpret_cast<const float*>(at)[hw * HD + lane * kDpl + i];
+        },
+        l, acc);
   }
 
   const size_t row = size_t(t) * a.num_q_heads + qh;
@@ -710,26 +723,15 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   __syncthreads();
   if (!last_s || !writer) return;
   __threadfence();
-  // The merge, in split order: m_max over the splits, then the weighted sums. L2 loads (__ldcg):
-  // the partials of other blocks were never in this SM's L1, and must not be read from it.
+  // The merge, in split order. L2 loads (__ldcg): the partials of other blocks were never in this
+  // SM's L1, and must not be read from it.
   const int ran = min(a.num_splits, pos / a.chunk + 1);
   const float2* ml = a.ml + prow;
-  float m_max = -INFINITY;
-  for (int s = 0; s < ran; ++s) m_max = fmaxf(m_max, __ldcg(&ml[s].x));
-  float denom = 0.f, num[kDpl];
-#pragma unroll
-  for (int i = 0; i < kDpl; ++i) num[i] = 0.f;
-  if (m_max != -INFINITY) {
-    for (int s = 0; s < ran; ++s) {
-      const float2 v = __ldcg(&ml[s]);
-      if (v.x == -INFINITY) continue;  // a split that saw no key
-      const float w = exp2f(v.x - m_max);
-      denom += w * v.y;
-      const float* pa = a.acc + (prow + s) * HD + lane * kDpl;
-#pragma unroll
-      for (int i = 0; i < kDpl; ++i) num[i] = fmaf(w, __ldcg(pa + i), num[i]);
-    }
-  }
+  const float* partial_acc = a.acc + prow * HD + lane * kDpl;
+  float denom, num[kDpl];
+  const float m_max = merge_states<kDpl>(
+      ran, [&](int s) { return __ldcg(&ml[s]); },
+      [&](int s, int i) { return __ldcg(partial_acc + size_t(s) * HD + i); }, denom, num);
 #pragma unroll
   for (int i = 0; i < kDpl; ++i) out[i] = __float2bfloat16(m_max != -INFINITY ? num[i] / denom : 0.f);
 }
@@ -792,6 +794,10 @@ size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_
 }
 
 size_t attention_workspace_zeroed_bytes() { return kArrivalBytes; }
+
+bool attention_keeps_every_block(int context_bound, int block_size, int topk_blocks) {
+  return block_size > 0 && context_bound > 0 && ceil_div(context_bound, block_size) <= topk_blocks;
+}
 
 void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   const int T = p.num_tokens;
@@ -857,9 +863,12 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
                            " (kernels are built for 32, 64, 128, 256)");
   }
 
+  // A sparse layer whose context bound has no more index blocks than it keeps runs as full
+  // attention, without the selection launch (see attention_keeps_every_block).
+  const bool select = sparse && !attention_keeps_every_block(bound, p.block_size, p.topk_blocks);
   int* arrivals = static_cast<int*>(p.workspace);
   unsigned char* ws = static_cast<unsigned char*>(p.workspace) + kArrivalBytes;
-  int32_t* kept = sparse ? reinterpret_cast<int32_t*>(ws) : nullptr;
+  int32_t* kept = select ? reinterpret_cast<int32_t*>(ws) : nullptr;
   const PageMap pages = c.pages();
 
   // 1. cache writes (unless an earlier launch made them: cache_written)
@@ -880,7 +889,7 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   }
 
   // 2. block selection
-  if (sparse && p.topk_blocks > 0) {
+  if (select && p.topk_blocks > 0) {
     const size_t max_blocks = size_t(ceil_div(c.max_len, p.block_size));
     const size_t smem = size_t(p.index_head_dim) * sizeof(float) + max_blocks * sizeof(uint32_t);
     check_arg(smem + kSelectStaticSmem <= kSmemOptInMax,
@@ -904,7 +913,7 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   }
 
   // 3. split-KV attention, its splits merged by the last to finish (topk_blocks = 0 on a sparse
-  // layer: no kept blocks, zero segments)
+  // layer: no kept blocks, zero segments; a sparse layer that keeps every block: as a full one)
   SplitArgs a{};
   a.q = p.q;
   a.k_cache = c.k;
@@ -913,13 +922,13 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   a.seq_slots = p.seq_slots;
   a.pages = pages;
   a.kept = kept;
-  a.sparse = sparse ? 1 : 0;
+  a.sparse = select ? 1 : 0;
   a.num_q_heads = p.num_q_heads;
   a.num_kv_heads = p.num_kv_heads;
   a.group = group;
   a.head_chunks = head_chunks;
-  a.block_size = sparse ? p.block_size : 0;
-  a.topk = sparse ? p.topk_blocks : 0;
+  a.block_size = select ? p.block_size : 0;
+  a.topk = select ? p.topk_blocks : 0;
   a.scale_log2 = p.scale * 1.4426950408889634f;
   a.heads = std::min(group, kMaxWarps);
   a.out = p.out;

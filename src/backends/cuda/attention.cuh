@@ -68,8 +68,18 @@ size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_
 // must be zero before its first launch; every launch leaves them zero. The rest needs no init.
 size_t attention_workspace_zeroed_bytes();
 
+// Whether block selection would keep every key block any query of the step can see, so that a
+// sparse layer equals full attention (SPEC §1.4: "with short contexts every block is kept"). A query
+// below the context bound sees at most ceil(bound / block_size) blocks; when they are no more than
+// topk_blocks, the top-k keeps them all, and drops none: a block's score is the max of its keys'
+// finite scores (a -inf one needs an infinite or fp32-overflowing index dot product, |iq||ik| past
+// 3.4e38, which the normalised index heads do not reach). launch_attention then skips the selection
+// launch (MiniMax-M3: blocks of 64, 16 kept, so every graph of a context below 1024).
+bool attention_keeps_every_block(int context_bound, int block_size, int topk_blocks);
+
 // Writes the step's k, v (and index_k) into the cache (unless cache_written), selects blocks on
-// sparse layers, attends.
+// sparse layers (unless attention_keeps_every_block: the index keys are still written, for later
+// steps' longer contexts), attends.
 void launch_attention(const AttentionKernelParams& p, KernelStream on);
 
 }  // namespace tpmoe::cuda
