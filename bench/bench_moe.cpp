@@ -125,6 +125,17 @@ struct Timer {
   }
 };
 
+// One column of the table: "-" where nothing was measured (an MXFP8 run has no unfused or cuBLASLt
+// layer; the stream has no column past the gate_up prefix), not "nan".
+std::string cell(double v, int width, int precision, const char* suffix = "") {
+  char buf[64];
+  if (std::isnan(v))
+    std::snprintf(buf, sizeof buf, "%*s", width + int(std::strlen(suffix)), "-");
+  else
+    std::snprintf(buf, sizeof buf, "%*.*f%s", width, precision, v, suffix);
+  return buf;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -347,9 +358,10 @@ int main(int argc, char** argv) {
         const double ratio = t_fused / floor_us;
         const double gain = 100.0 * (t_unfused - t_fused) / t_unfused;
         const double vs_base = t_base / t_fused;
-        std::printf("%5d %5d %8d %9.1f %10.1f %8.0f %6.1f%% %9.1f %6.3f %10.1f %9.3f %11.1f %7.1f%% %11.1f %7.2fx\n", I,
-                    T, distinct, bytes / 1e6, t_fused, gbs, pct, floor_us, ratio, t_stream, t_fused / t_stream,
-                    t_unfused, gain, t_base, vs_base);
+        std::printf("%5d %5d %8d %9.1f %10.1f %8.0f %6.1f%% %9.1f %6.3f %s %s %s %s %s %s\n", I, T, distinct,
+                    bytes / 1e6, t_fused, gbs, pct, floor_us, ratio, cell(t_stream, 10, 1).c_str(),
+                    cell(t_fused / t_stream, 9, 3).c_str(), cell(t_unfused, 11, 1).c_str(),
+                    cell(gain, 7, 1, "%").c_str(), cell(t_base, 11, 1).c_str(), cell(vs_base, 7, 2, "x").c_str());
         std::fflush(stdout);
         rows.push_back({{"inter", I},
                         {"batch", T},
