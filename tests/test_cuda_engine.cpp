@@ -86,7 +86,9 @@ TEST(CudaEngine, RoutingStatsCountTheRealSequencesOnly) {
     for (size_t s = 0; s < a.step_routed_experts.size(); ++s)
       for (int l = 0; l < config.num_layers; ++l) {
         const int x = a.step_routed_experts[s][l], y = b.step_routed_experts[s][l];
-        if (batch == 1 && config.mlp_layer_types[l] == MlpType::kMoe) EXPECT_EQ(x, config.num_experts_per_tok);
+        if (batch == 1 && config.mlp_layer_types[l] == MlpType::kMoe) {
+          EXPECT_EQ(x, config.num_experts_per_tok);
+        }
         differ += std::abs(x - y);
       }
     // bf16 may flip a near-tied router choice; padding rows counted would add experts every step.
