@@ -85,9 +85,14 @@ CudaReserve CudaReserve::for_budget(const ModelConfig& config, const FusionPlan&
   CudaReserve r;
   r.max_tokens = budget.max_tokens;
   const int max_logit_rows = budget.max_logit_rows;
-  // The model's activations, plus the greedy argmax's per-block winners that follow them.
+  // The model's activations, plus the greedy argmax's per-block winners that follow them, plus the
+  // output of linears()' joined matmul: a layer's projections of the attention input side by side
+  // (bf16), beside the layer's own activations until the layer ends.
+  const size_t joined_cols = size_t(shard.num_q_heads + 2 * shard.num_kv_heads) * size_t(config.head_dim) +
+                             size_t(shard.num_index_heads + 1) * size_t(std::max(0, config.index_head_dim));
   r.arena_bytes = Model::activation_bytes(config, shard, r.max_tokens, max_logit_rows, sizeof(uint16_t)) +
-                  argmax_workspace_bytes(max_logit_rows, config.vocab_size) + kAllocAlign;
+                  argmax_workspace_bytes(max_logit_rows, config.vocab_size) + kAllocAlign +
+                  size_t(r.max_tokens) * joined_cols * sizeof(uint16_t) + kAllocAlign;
   if (config.any_moe()) {
     const int slots = config.num_experts_per_tok + (plan.shared_expert.fused ? config.num_shared_experts : 0);
     r.moe_workspace_bytes = cuda::moe_workspace_bytes(r.max_tokens, slots, config.hidden_size, shard.moe_inter,
