@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -192,6 +193,70 @@ TEST(CudaElementwise, GatherRowsCopiesExactly) {
           ASSERT_EQ(got[offset + r * cols + c], src[offset + size_t(rows[r]) * cols + c])
               << "row " << r << " col " << c;
     }
+}
+
+// ---- split_columns -------------------------------------------------------------------------------
+
+// A [rows, sum cols_i] matrix's column runs into their outputs, bit for bit: bf16 and fp32, widths that
+// take 16-byte copies (a layer's projections) and widths or offsets that do not (the element path),
+// rows past one grid's worth.
+template <class T>
+void check_split_columns(const std::vector<int>& cols, int rows, int offset, uint64_t seed) {
+  SCOPED_TRACE(testing::Message() << "elem " << sizeof(T) << " bytes, rows " << rows << ", offset " << offset);
+  int total = 0;
+  for (int c : cols) total += c;
+  std::vector<T> in(size_t(rows) * total + offset);
+  std::mt19937 rng{uint32_t(seed)};
+  for (T& x : in) x = T(rng());  // raw bits, copied as they are
+  DeviceBuffer<T> d_in(in);
+  std::vector<std::unique_ptr<DeviceBuffer<T>>> d_out;
+  cuda::SplitColumnsParams p;
+  p.in = d_in.get() + offset;
+  p.rows = rows;
+  p.elem_bytes = int(sizeof(T));
+  for (int c : cols) {
+    d_out.push_back(std::make_unique<DeviceBuffer<T>>(size_t(rows) * c + offset));
+    p.out[p.count] = d_out.back()->get() + offset;
+    p.cols[p.count++] = c;
+  }
+  cuda::launch_split_columns(p, nullptr);
+  int start = 0;
+  for (size_t i = 0; i < cols.size(); ++i) {
+    const std::vector<T> got = d_out[i]->download();
+    std::vector<T> want(got.begin(), got.begin() + offset);  // the offset's elements: not written
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < cols[i]; ++c) want.push_back(in[offset + size_t(r) * total + start + c]);
+    EXPECT_EQ(first_mismatch(got, want), -1) << "output " << i;
+    start += cols[i];
+  }
+}
+
+TEST(CudaElementwise, SplitColumnsCopiesExactly) {
+  TPMOE_REQUIRE_GPU();
+  // uint16_t / uint32_t stand for bf16 / fp32 bits: the kernel copies bytes.
+  check_split_columns<uint16_t>({1024, 128, 128, 128, 128}, 64, 0, 1);  // a tp-8 rank's q, k, v, index q, index k
+  check_split_columns<uint16_t>({1024, 128, 128, 128, 128}, 3, 1, 2);   // unaligned: the element path
+  check_split_columns<uint16_t>({96, 20, 36}, 19, 0, 3);                // 40 bytes a row: the element path
+  check_split_columns<uint16_t>({64, 32, 32, 64, 32}, 80000, 1, 4);     // more elements than one grid's threads
+  check_split_columns<uint32_t>({128, 256}, 17, 0, 5);                  // fp32 outputs (a router's logits)
+  check_split_columns<uint32_t>({3, 5, 7, 1, 2, 9, 4, 6}, 5, 0, 6);     // eight outputs, the element path
+}
+
+TEST(CudaElementwise, SplitColumnsRefusesBadArguments) {
+  TPMOE_REQUIRE_GPU();
+  DeviceBuffer<uint16_t> buf(64);
+  cuda::SplitColumnsParams p;
+  p.in = buf.get();
+  p.rows = 1;
+  EXPECT_THROW(cuda::launch_split_columns(p, nullptr), Error) << "no outputs";
+  p.out[0] = buf.get();
+  p.cols[0] = 8;
+  p.count = 1;
+  p.elem_bytes = 3;
+  EXPECT_THROW(cuda::launch_split_columns(p, nullptr), Error) << "3-byte elements";
+  p.elem_bytes = 2;
+  p.count = 2;  // out[1] unset
+  EXPECT_THROW(cuda::launch_split_columns(p, nullptr), Error) << "an unset output";
 }
 
 // ---- argmax --------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 // Dense projections through cuBLASLt (Gemm::linear), the grouped GEMM as a linear (launch_bf16_linear,
 // its k split over a cluster where the tiles are few) and the decode GEMV (launch_gemv) against the
 // CPU oracle's linear, at awkward shapes: batch 1, 3, 19; widths that are not multiples of the vector
-// width; bf16 and fp32 outputs.
+// width; bf16 and fp32 outputs. At the end, CudaOps::linears over weights that lie back to back.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,8 +9,10 @@
 #include <deque>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "backends/cpu/cpu_ops.h"
+#include "backends/cuda/cuda_ops.h"
 #include "backends/cuda/gemm.h"
 #include "backends/cuda/gemv.cuh"
 #include "backends/cuda/moe.cuh"
@@ -277,6 +279,109 @@ TEST(CudaGemv, DeclinesWhatItCannotRead) {
   q = p;
   q.outputs[0].out = const_cast<__nv_bfloat16*>(p.x);  // out aliases x
   EXPECT_THROW(cuda::launch_gemv(q, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace tpmoe
+
+// ---- CudaOps::linears: projections whose weights lie back to back run as one matmul ----------------
+
+namespace tpmoe {
+namespace {
+
+// A layer's projections of one input (q, k, v and the indexer's q and k of a narrow rank), their
+// weights once back to back in one buffer (as DeviceWeights places them) and once apart, with a gap
+// between: the same outputs within the bf16 tolerance of the CPU oracle either way, every element
+// written, and as a recorded step the joined form takes fewer launches (one matmul and the column
+// split, against one matmul each and cuBLASLt's split-k reductions). Batch 3 is the GEMV's
+// (one launch either way), 9 and 16 the split-k grouped GEMM's, 17 and 64 cuBLASLt's.
+TEST(CudaOpsLinears, WeightsBackToBackRunAsOneMatmulWithTheSameOutputs) {
+  TPMOE_REQUIRE_GPU();
+  const int K = 1024;
+  const std::vector<int> widths = {512, 64, 64, 64, 64};
+  int rows = 0;
+  for (int n : widths) rows += n;
+  const std::vector<float> w = test::round_bf16(test::random_floats(size_t(rows) * K, 0.02f, 71));
+  const std::vector<__nv_bfloat16> w_bf16 = test::to_bf16(w);
+  constexpr int kGap = 128;  // elements between the weights laid apart (keeps 16-byte alignment)
+  test::DeviceBuffer<__nv_bfloat16> together(w_bf16), apart(size_t(rows) * K + widths.size() * kGap);
+  std::vector<__nv_bfloat16*> at_apart;
+  size_t row0 = 0, offset = 0;
+  for (int n : widths) {
+    at_apart.push_back(apart.get() + offset);
+    CUDA_CHECK(cudaMemcpy(at_apart.back(), w_bf16.data() + row0 * K, size_t(n) * K * 2, cudaMemcpyHostToDevice));
+    row0 += size_t(n);
+    offset += size_t(n) * K + kGap;
+  }
+
+  cuda::CudaReserve r;
+  r.max_tokens = 64;
+  r.arena_bytes = 16 << 20;
+  r.num_q_heads = 1;
+  r.head_dim = 64;
+  cuda::CudaOps ops(r);
+  CacheShape shape;
+  shape.num_layers = 1;
+  shape.sparse_layer = {false};
+  shape.num_kv_heads = 1;
+  shape.head_dim = 64;
+  shape.max_seqs = 64;
+  shape.max_len = 16;
+  shape.num_pages = shape.max_seqs * shape.pages_per_seq();
+  ops.init_cache(shape);
+
+  for (const int M : {3, 9, 16, 17, 64}) {
+    SCOPED_TRACE(testing::Message() << "M=" << M);
+    const std::vector<float> x = test::round_bf16(test::random_floats(size_t(M) * K, 1.0f, 90 + M));
+    StepTokens st;
+    st.token_ids.assign(size_t(M), 0);
+    st.positions.assign(size_t(M), 0);
+    for (int t = 0; t < M; ++t) st.seq_slots.push_back(t);
+    int launches[2] = {};
+    for (const bool joined : {true, false}) {
+      SCOPED_TRACE(joined ? "back to back" : "apart");
+      ops.begin_step(st);
+      Tensor tx = ops.alloc(M, K);
+      CUDA_CHECK(cudaMemcpy(tx.data, test::to_bf16(x).data(), tx.nbytes(), cudaMemcpyHostToDevice));
+      std::vector<Projection> items;
+      size_t first_row = 0;
+      for (size_t i = 0; i < widths.size(); ++i) {
+        Tensor out = ops.alloc(M, widths[i]);
+        CUDA_CHECK(cudaMemset(out.data, 0xFF, out.nbytes()));  // NaN until written
+        void* weight = joined ? static_cast<void*>(together.get() + first_row * K) : at_apart[i];
+        items.push_back({Tensor::make(weight, DType::kBF16, widths[i], K), out});
+        first_row += size_t(widths[i]);
+      }
+      CUDA_CHECK(cudaDeviceSynchronize());
+      ops.run_step(2 * M + joined, [&] {
+        ops.linears(tx, items);
+        return items[0].out;
+      });
+      CUDA_CHECK(cudaStreamSynchronize(ops.stream()));
+      launches[joined] = ops.last_step_launches();
+      first_row = 0;
+      for (size_t i = 0; i < widths.size(); ++i) {
+        std::vector<float> x_host = x, want(size_t(M) * widths[i]);
+        cpu::CpuOps cpu;
+        cpu.linear(Tensor::make(x_host.data(), DType::kF32, M, K),
+                   Tensor::make(const_cast<float*>(w.data()) + first_row * K, DType::kF32, widths[i], K),
+                   Tensor::make(want.data(), DType::kF32, M, widths[i]));
+        std::vector<__nv_bfloat16> got_bf16(size_t(M) * widths[i]);
+        CUDA_CHECK(cudaMemcpy(got_bf16.data(), items[i].out.data, got_bf16.size() * 2, cudaMemcpyDeviceToHost));
+        const std::vector<float> got = test::from_bf16(got_bf16);
+        size_t not_finite = 0;
+        for (float v : got) not_finite += !std::isfinite(v);
+        EXPECT_EQ(not_finite, 0u) << "output " << i << " left unwritten";
+        EXPECT_LT(test::relative_l2(got, want), test::kTolBf16) << "output " << i;
+        first_row += size_t(widths[i]);
+      }
+    }
+    if (M > 8) {
+      EXPECT_LT(launches[1], launches[0]) << "back to back, apart";
+    } else {
+      EXPECT_EQ(launches[1], launches[0]) << "the GEMV takes both forms in one launch";
+    }
+  }
 }
 
 }  // namespace

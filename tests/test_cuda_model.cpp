@@ -6,9 +6,13 @@
 #include <algorithm>
 #include <span>
 
+#include "backends/cuda/device_weights.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "io/checkpoint.h"
 #include "io/safetensors.h"
+#include "model/fusion_plan.h"
+#include "model/presets.h"
 #include "oracle_margins.h"
 #include "test_util.h"
 #include "tpmoe/tpmoe.h"
@@ -170,6 +174,40 @@ TEST(CudaModel, DevicePresetMatchesCpuPreset) {
   std::printf("GPU vs CPU, tiny preset: relative L2 prefill %.3g, steps %.3g\n", prefill_err, step_err);
   EXPECT_LT(prefill_err, kModelTolerance);
   EXPECT_LT(step_err, kModelTolerance);
+}
+
+// DeviceWeights lays a layer's bf16 projections of the attention input (q, k, v, the indexer's q and
+// k) back to back, in the order Model::attention passes them, so that CudaOps::linears runs them as one
+// matmul (test_cuda_gemm holds that matmul to the separate ones): for a preset made on the device and
+// for host weights uploaded, at tp 1 and at rank 1 of tp 2.
+TEST(CudaModel, AttentionInputProjectionsLieBackToBack) {
+  TPMOE_REQUIRE_GPU();
+  const ModelConfig c = preset_config("tiny");
+  auto check = [&](const ModelWeights& w, const std::string& what) {
+    SCOPED_TRACE(what);
+    int joined = 0;
+    for (size_t l = 0; l < w.layers.size(); ++l) {
+      const AttentionWeights& a = w.layers[l].attn;
+      std::vector<const Tensor*> parts = {&a.q_proj, &a.k_proj, &a.v_proj};
+      if (!a.index_q_proj.empty()) parts.insert(parts.end(), {&a.index_q_proj, &a.index_k_proj});
+      for (size_t i = 1; i < parts.size(); ++i)
+        EXPECT_EQ(parts[i]->data, static_cast<const char*>(parts[i - 1]->data) + parts[i - 1]->nbytes())
+            << "layer " << l << ", projection " << i << " does not start where the one before it ends";
+      joined += int(parts.size());
+    }
+    EXPECT_EQ(joined, 3 * c.num_layers +
+                          2 * int(std::count(c.layer_types.begin(), c.layer_types.end(), AttentionType::kSparse)));
+  };
+  for (const int tp : {1, 2}) {
+    ParallelLayout layout;
+    layout.tp = tp;
+    const FusionPlan plan = build_fusion_plan(c, layout, {});
+    const RankShard shard = RankShard::make(c, layout, tp - 1);
+    check(cuda::DeviceWeights::random_preset(c, plan, shard, 5)->weights(), "preset, tp " + std::to_string(tp));
+    const io::Checkpoint ckpt = io::Checkpoint::from_memory(c, random_weights(c, 5));
+    check(cuda::DeviceWeights::upload(load_rank_weights(ckpt, shard, plan))->weights(),
+          "uploaded, tp " + std::to_string(tp));
+  }
 }
 
 // tp 1 through the NCCL communicator (EngineOptions::nccl_at_tp1: communicator, symmetric window, device

@@ -1,6 +1,7 @@
 #include "backends/cuda/cuda_ops.h"
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 
@@ -84,9 +85,14 @@ CudaReserve CudaReserve::for_budget(const ModelConfig& config, const FusionPlan&
   CudaReserve r;
   r.max_tokens = budget.max_tokens;
   const int max_logit_rows = budget.max_logit_rows;
-  // The model's activations, plus the greedy argmax's per-block winners that follow them.
+  // The model's activations, plus the greedy argmax's per-block winners that follow them, plus the
+  // output of linears()' joined matmul: a layer's projections of the attention input side by side
+  // (bf16), beside the layer's own activations until the layer ends.
+  const size_t joined_cols = size_t(shard.num_q_heads + 2 * shard.num_kv_heads) * size_t(config.head_dim) +
+                             size_t(shard.num_index_heads + 1) * size_t(std::max(0, config.index_head_dim));
   r.arena_bytes = Model::activation_bytes(config, shard, r.max_tokens, max_logit_rows, sizeof(uint16_t)) +
-                  argmax_workspace_bytes(max_logit_rows, config.vocab_size) + kAllocAlign;
+                  argmax_workspace_bytes(max_logit_rows, config.vocab_size) + kAllocAlign +
+                  size_t(r.max_tokens) * joined_cols * sizeof(uint16_t) + kAllocAlign;
   if (config.any_moe()) {
     const int slots = config.num_experts_per_tok + (plan.shared_expert.fused ? config.num_shared_experts : 0);
     r.moe_workspace_bytes = cuda::moe_workspace_bytes(r.max_tokens, slots, config.hidden_size, shard.moe_inter,
@@ -390,15 +396,56 @@ bool CudaOps::gemv_params(Tensor x, std::span<const Projection> items, GemvParam
   return gemv_fits(p);
 }
 
+namespace {
+
+// The items' weights as one [sum of rows, K] bf16 matrix, where each starts right where the one before
+// it ends (DeviceWeights places a layer's projections of the attention input so) and their outputs
+// share a dtype and fit. Anything else: false, and linear() names what does not fit.
+bool joined_weights(Tensor x, std::span<const Projection> items, Tensor& joined) {
+  if (items.size() < 2 || items.size() > size_t(kMaxSplitColumns)) return false;
+  int64_t rows = 0;
+  const auto* next = static_cast<const std::byte*>(items[0].weight.data);
+  for (const Projection& it : items) {
+    const Tensor& w = it.weight;
+    if (w.dtype != DType::kBF16 || w.ndim != 2 || w.dim(1) != x.dim(1) || w.data != next ||
+        it.out.dtype != items[0].out.dtype || it.out.dim(0) != x.dim(0) || it.out.dim(1) != w.dim(0))
+      return false;
+    rows += w.dim(0);
+    next += w.nbytes();
+  }
+  joined = Tensor::make(items[0].weight.data, DType::kBF16, rows, x.dim(1));
+  return true;
+}
+
+}  // namespace
+
 void CudaOps::linears(Tensor x, std::span<const Projection> items) {
   expect(x, DType::kBF16, "linear input");
   GemvParams p;
-  if (!gemv_params(x, items, p)) {  // one linear() each, timed there
-    for (const Projection& it : items) linear(x, it.weight, it.out);
+  if (gemv_params(x, items, p)) {
+    const auto timer = timed(fmt::format("linears x{}", items.size()));
+    launch_gemv(p, kernels_);
     return;
   }
-  const auto timer = timed(fmt::format("linears x{}", items.size()));
-  launch_gemv(p, kernels_);
+  // Weights back to back: one matmul over their rows, then its columns split into the outputs. Two
+  // launches where one matmul each (with cuBLASLt's split-k reductions) took up to nine a layer, at
+  // a few us each for the 128-row projections (docs/PERF.md).
+  if (Tensor joined; joined_weights(x, items, joined)) {
+    Tensor all = alloc_typed(x.dim(0), joined.dim(0), items[0].out.dtype);
+    linear(x, joined, all);  // timed there
+    const auto timer = timed(fmt::format("split columns x{}", items.size()));
+    SplitColumnsParams split;
+    split.in = all.data;
+    split.rows = x.dim(0);
+    split.elem_bytes = int(dtype_size(all.dtype));
+    for (const Projection& it : items) {
+      split.out[split.count] = it.out.data;
+      split.cols[split.count++] = int(it.out.dim(1));
+    }
+    launch_split_columns(split, kernels_);
+    return;
+  }
+  for (const Projection& it : items) linear(x, it.weight, it.out);  // one linear() each, timed there
 }
 
 void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
+#include <cstddef>
 #include <cstring>
 
 #include "backends/cuda/cuda_check.h"
@@ -18,12 +19,44 @@ DeviceWeights::~DeviceWeights() {
   for (void* p : allocations_) cudaFree(p);
 }
 
-Tensor DeviceWeights::alloc_like(const Tensor& s, DType dtype) {
+namespace {
+
+// A layer's projections of the attention input, in the order Model::attention passes them to
+// Ops::linears (q, k, v, then the indexer's q and k): what CudaOps::linears joins where they are
+// bf16 and back to back.
+std::vector<const Tensor*> attention_input_projections(const LayerWeights& l) {
+  return {&l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj, &l.attn.index_q_proj, &l.attn.index_k_proj};
+}
+
+}  // namespace
+
+void DeviceWeights::place_together(const std::vector<std::pair<const Tensor*, size_t>>& slots) {
+  size_t total = 0;
+  for (const auto& [slot, bytes] : slots) {
+    if (bytes == 0 || bytes % 256 != 0) return;
+    total += bytes;
+  }
+  if (slots.size() < 2) return;
+  void* p = nullptr;
+  CUDA_CHECK(cudaMalloc(&p, total));
+  allocations_.push_back(p);
+  size_t offset = 0;
+  for (const auto& [slot, bytes] : slots) {
+    placed_[slot] = static_cast<std::byte*>(p) + offset;
+    offset += bytes;
+  }
+}
+
+Tensor DeviceWeights::alloc_like(const Tensor& s, DType dtype, const Tensor* slot) {
   Tensor t = s;
   t.dtype = dtype;
   void* p = nullptr;
-  CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes(), 1)));
-  allocations_.push_back(p);
+  if (auto it = placed_.find(slot); slot != nullptr && it != placed_.end() && dtype != DType::kF8E4M3) {
+    p = it->second;  // sized for this tensor by place_together
+  } else {
+    CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes(), 1)));
+    allocations_.push_back(p);
+  }
   t.data = p;
   weights_.bytes += t.nbytes();
   t.scale = nullptr;
@@ -43,6 +76,18 @@ std::unique_ptr<DeviceWeights> DeviceWeights::upload(const ModelWeights& host_in
   std::vector<Tensor*> src;
   for_each_tensor(host, [&](Tensor& t) { src.push_back(&t); });
   d->weights_.layers.resize(host.layers.size());
+  for (size_t l = 0; l < host.layers.size(); ++l) {  // bf16 on the device: matrices that are not MXFP8
+    const std::vector<const Tensor*> from = attention_input_projections(host.layers[l]),
+                                     to = attention_input_projections(d->weights_.layers[l]);
+    std::vector<std::pair<const Tensor*, size_t>> together;
+    bool bf16 = true;
+    for (size_t k = 0; k < from.size(); ++k) {
+      if (from[k]->empty()) continue;
+      bf16 = bf16 && from[k]->dtype != DType::kF8E4M3 && from[k]->ndim == 2;
+      together.push_back({to[k], size_t(from[k]->numel()) * 2});
+    }
+    if (bf16) d->place_together(together);
+  }
   size_t i = 0;
   for_each_tensor(d->weights_, [&](Tensor& dst) {
     const Tensor& s = *src[i++];
@@ -50,13 +95,13 @@ std::unique_ptr<DeviceWeights> DeviceWeights::upload(const ModelWeights& host_in
     // Vectors (norms, bias) stay fp32; matrices are bf16 on the device, MXFP8 ones stay FP8 with their
     // scales (weight-only FP8: widened to bf16 in the GEMMs' registers).
     if (s.dtype == DType::kF8E4M3) {
-      dst = d->alloc_like(s, DType::kF8E4M3);
+      dst = d->alloc_like(s, DType::kF8E4M3, &dst);
       CUDA_CHECK(cudaMemcpy(dst.data, s.data, s.nbytes(), cudaMemcpyHostToDevice));
       CUDA_CHECK(cudaMemcpy(dst.scale, s.scale, s.nbytes() / kMxfp8BlockSize, cudaMemcpyHostToDevice));
       return;
     }
     const DType dtype = s.ndim == 1 ? DType::kF32 : DType::kBF16;
-    dst = d->alloc_like(s, dtype);
+    dst = d->alloc_like(s, dtype, &dst);
     if (s.dtype == dtype) {
       CUDA_CHECK(cudaMemcpy(dst.data, s.data, s.nbytes(), cudaMemcpyHostToDevice));
       return;
@@ -87,14 +132,29 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
   void* staging = nullptr;
   if (mxfp8) CUDA_CHECK(cudaMalloc(&staging, size_t(kStagingElements) * 2));
   w.layers.resize(size_t(c.num_layers));
-  for (const WeightEntry& e : rank_weight_table(c, shard, plan)) {
-    const bool quantized = mxfp8 && preset_mxfp8_quantized(e.blocks.front().source);
+  const std::vector<WeightEntry> table = rank_weight_table(c, shard, plan);
+  auto quantized_entry = [&](const WeightEntry& e) { return mxfp8 && preset_mxfp8_quantized(e.blocks.front().source); };
+  for (const LayerWeights& layer : w.layers) {  // the bf16 projections of its attention input, back to back
+    std::vector<std::pair<const Tensor*, size_t>> together;
+    bool bf16 = true;
+    for (const Tensor* slot : attention_input_projections(layer))
+      for (const WeightEntry& e : table)
+        if (&e.slot(w) == slot) {
+          int64_t n = 1;
+          for (int64_t d : e.shape) n *= d;
+          bf16 = bf16 && !quantized_entry(e) && !e.vector;
+          together.push_back({slot, size_t(n) * 2});
+        }
+    if (bf16) d->place_together(together);
+  }
+  for (const WeightEntry& e : table) {
+    const bool quantized = quantized_entry(e);
     const DType dtype = e.vector ? DType::kF32 : quantized ? DType::kF8E4M3 : DType::kBF16;
     Tensor shape = e.shape.size() == 1   ? Tensor::make(nullptr, dtype, e.shape[0])
                    : e.shape.size() == 2 ? Tensor::make(nullptr, dtype, e.shape[0], e.shape[1])
                                          : Tensor::make(nullptr, dtype, e.shape[0], e.shape[1], e.shape[2]);
     Tensor& t = e.slot(w);
-    t = d->alloc_like(shape, dtype);
+    t = d->alloc_like(shape, dtype, &t);
     if (e.vector) {
       std::vector<float> v;
       for (const Block& b : e.blocks) {

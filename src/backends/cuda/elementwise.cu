@@ -4,6 +4,8 @@
 //   add_bf16     y[n] += x[n] in fp32, one rounding to bf16. Bytes: 3*n*2.
 //   swiglu       gate_up[R, 2n] bf16 -> out[R, n] bf16, SwiGLU-OAI in fp32. Bytes: R*n*(4 + 2).
 //   gather_rows  out[r, :] = x[rows[r], :] bf16. Bytes: 2 x num_rows*cols*2.
+//   split_columns  out_i[r, :] = in[r, the i-th run of columns], bf16 or fp32 as they are.
+//                Bytes: 2 x rows*cols*elem.
 //   argmax       ids[r] = first argmax of logits[r, :] fp32: blocks of 4096 logits, then one block
 //                per row over their winners. Bytes: R*V*4.
 //   fill_random  out[i] = random_value(seed, key, offset + i, stddev) (src/model/presets.cpp),
@@ -20,6 +22,7 @@
 #include "backends/cuda/kernel_utils.cuh"
 
 #include <cstdint>
+#include <string>
 
 #include "backends/cuda/cuda_check.h"
 
@@ -115,6 +118,31 @@ __global__ void swiglu_kernel(SwigluKernelParams p) {
     } else {
       out[c] = __float2bfloat16_rn(swiglu_oai(__bfloat162float(gate[c]), __bfloat162float(up[c]), p.alpha, p.limit));
     }
+  }
+}
+
+// ---- split_columns -------------------------------------------------------------------------------
+
+// One item = one copy unit U (16 bytes, or one element) of one row; the unit's output found by a walk
+// over at most kMaxSplitColumns widths.
+template <class U>
+__global__ void split_columns_kernel(const SplitColumnsParams p) {
+  pdl_wait();
+  pdl_trigger();
+  int64_t per_row = 0;
+  for (int i = 0; i < p.count; ++i) per_row += int64_t(p.cols[i]) * p.elem_bytes / int64_t(sizeof(U));
+  const int64_t total = p.rows * per_row;
+  const U* in = static_cast<const U*>(p.in);
+  for (int64_t idx = global_thread(); idx < total; idx += grid_stride()) {
+    const int64_t r = idx / per_row;
+    int64_t c = idx % per_row;
+    int i = 0;
+    int64_t width = int64_t(p.cols[0]) * p.elem_bytes / int64_t(sizeof(U));
+    while (c >= width) {
+      c -= width;
+      width = int64_t(p.cols[++i]) * p.elem_bytes / int64_t(sizeof(U));
+    }
+    static_cast<U*>(p.out[i])[r * width + c] = in[idx];
   }
 }
 
@@ -292,6 +320,30 @@ void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_row
   const int64_t items = int64_t(num_rows) * (vec ? cols / 8 : cols);
   launch_pdl(vec ? gather_rows_kernel<true> : gather_rows_kernel<false>, dim3(grid_for(items)), dim3(kThreads), 0, on,
              x, rows, num_rows, cols, out);
+}
+
+void launch_split_columns(const SplitColumnsParams& p, KernelStream on) {
+  check_arg(p.count >= 1 && p.count <= kMaxSplitColumns && p.rows >= 0 && (p.elem_bytes == 2 || p.elem_bytes == 4),
+            "split_columns: 1.." + std::to_string(kMaxSplitColumns) + " outputs, rows >= 0, 2- or 4-byte elements");
+  check_arg(p.in != nullptr, "split_columns: in must be set");
+  // The widest copy unit every output's row and pointer allow: 16 bytes (a layer's projections), else
+  // the element.
+  bool vec = aligned16(p.in);
+  int64_t total_bytes = 0;
+  for (int i = 0; i < p.count; ++i) {
+    check_arg(p.out[i] != nullptr && p.cols[i] >= 0, "split_columns: output " + std::to_string(i) + " unset");
+    vec = vec && aligned16(p.out[i]) && int64_t(p.cols[i]) * p.elem_bytes % 16 == 0;
+    total_bytes += int64_t(p.cols[i]) * p.elem_bytes;
+  }
+  const int unit = vec ? 16 : p.elem_bytes;
+  const int64_t items = p.rows * (total_bytes / unit);
+  if (items == 0) return;
+  if (vec)
+    launch_pdl(split_columns_kernel<uint4>, dim3(grid_for(items)), dim3(kThreads), 0, on, p);
+  else if (unit == 4)
+    launch_pdl(split_columns_kernel<uint32_t>, dim3(grid_for(items)), dim3(kThreads), 0, on, p);
+  else
+    launch_pdl(split_columns_kernel<uint16_t>, dim3(grid_for(items)), dim3(kThreads), 0, on, p);
 }
 
 size_t argmax_workspace_bytes(int rows, int vocab) {

@@ -44,6 +44,21 @@ void launch_swiglu(const SwigluKernelParams& p, KernelStream on);
 void launch_gather_rows(const __nv_bfloat16* x, const int32_t* rows, int num_rows, int cols, __nv_bfloat16* out,
                         KernelStream on);
 
+// The columns of in[rows, sum cols_i] side by side into the outputs: out_i[r, :] = in[r, c_i .. c_i +
+// cols_i), c_i = cols_0 + ... + cols_{i-1}. Elements of elem_bytes (2: bf16, 4: fp32), copied as they
+// are. Bytes: 2 * rows * sum cols_i * elem_bytes. (CudaOps::linears: one GEMM over a layer's
+// concatenated projection weights, its columns then split into the projections' outputs.)
+constexpr int kMaxSplitColumns = 8;
+struct SplitColumnsParams {
+  const void* in = nullptr;
+  int64_t rows = 0;
+  int elem_bytes = 2;
+  int count = 0;
+  void* out[kMaxSplitColumns] = {};
+  int cols[kMaxSplitColumns] = {};
+};
+void launch_split_columns(const SplitColumnsParams& p, KernelStream on);
+
 // ids[r] = argmax_v logits[r, v] (fp32), first maximum on ties (as torch.argmax), and values[r] =
 // that maximum when values is not null. Two passes (blocks of 4096 logits, then their winners per
 // row) so a batch-1 row of 200k logits spreads over the GPU; the workspace holds the block winners.
