@@ -42,7 +42,7 @@ void DeviceWeights::place_together(const std::vector<std::pair<const Tensor*, si
   allocations_.push_back(p);
   size_t offset = 0;
   for (const auto& [slot, bytes] : slots) {
-    placed_[slot] = static_cast<std::byte*>(p) + offset;
+    placed_[slot] = {static_cast<std::byte*>(p) + offset, bytes};
     offset += bytes;
   }
 }
@@ -51,8 +51,11 @@ Tensor DeviceWeights::alloc_like(const Tensor& s, DType dtype, const Tensor* slo
   Tensor t = s;
   t.dtype = dtype;
   void* p = nullptr;
-  if (auto it = placed_.find(slot); slot != nullptr && it != placed_.end() && dtype != DType::kF8E4M3) {
-    p = it->second;  // sized for this tensor by place_together
+  if (auto it = placed_.find(slot); slot != nullptr && it != placed_.end()) {
+    TPMOE_CHECK(dtype == DType::kBF16 && it->second.second == t.nbytes(),
+                "internal: a weight set aside for {} bytes of bf16 is {} bytes of {}", it->second.second, t.nbytes(),
+                dtype_name(dtype));
+    p = it->second.first;
   } else {
     CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes(), 1)));
     allocations_.push_back(p);

@@ -40,7 +40,7 @@ class DeviceWeights {
   void place_together(const std::vector<std::pair<const Tensor*, size_t>>& slots);
   ModelWeights weights_;
   std::vector<void*> allocations_;
-  std::map<const Tensor*, void*> placed_;
+  std::map<const Tensor*, std::pair<void*, size_t>> placed_;  // slot -> its place and bytes
 };
 
 }  // namespace tpmoe::cuda
