@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "serve/json_nesting.h"
 #include "serve/openai_api.h"
 
 namespace tpmoe::serve {
@@ -168,7 +169,10 @@ TEST(ServeProtocol, WrongTypesAndUnsupportedValuesNameTheField) {
 }
 
 TEST(ServeProtocol, MalformedBodies) {
-  for (const char* body : {"{", "", "[1, 2]", "\"text\"", "{\"prompt\": \"\xff\"}"}) {
+  // The last: a number past a double's range, which the JSON parser reports as out_of_range, not as
+  // a parse error (it reached the client as a 500 once).
+  for (const char* body :
+       {"{", "", "[1, 2]", "\"text\"", "{\"prompt\": \"\xff\"}", "{\"prompt\": \"p\", \"seed\": 6e333333}"}) {
     try {
       parse_json_body(body);
       ADD_FAILURE() << "accepted: " << body;
@@ -176,6 +180,35 @@ TEST(ServeProtocol, MalformedBodies) {
       EXPECT_EQ(e.status(), 400) << body;
     }
   }
+}
+
+// Deeply nested JSON would make the code that copies and renders parsed values recurse past a
+// thread's stack: refused before it is parsed, in the body and in the arguments text a message
+// carries. Brackets inside strings do not count.
+TEST(ServeProtocol, JsonNestedPastTheLimitIsRefused) {
+  auto nested = [](int levels, const std::string& inner) {
+    return std::string(size_t(levels), '[') + inner + std::string(size_t(levels), ']');
+  };
+  const std::string prompt = R"({"prompt": "p", "user": )";
+  // The body is one level; "user" (ignored) holds the rest.
+  EXPECT_NO_THROW(parse(Endpoint::kCompletions, prompt + nested(kMaxRequestNesting - 1, "1") + "}"));
+  expect_refused(Endpoint::kCompletions, prompt + nested(kMaxRequestNesting, "1") + "}", 400, "");
+  expect_refused(Endpoint::kCompletions, prompt + nested(100000, "") + "}", 400, "");
+  EXPECT_NO_THROW(parse(Endpoint::kCompletions, R"({"prompt": ")" + nested(1000, "") + R"("})"));
+
+  const std::string call = R"({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", )";
+  auto arguments = [&](int levels) { return call + R"("arguments": "{\"a\": )" + nested(levels, "") + R"(}"}}]}]})"; };
+  EXPECT_NO_THROW(parse(Endpoint::kChatCompletions, arguments(kMaxRequestNesting - 1)));
+  expect_refused(Endpoint::kChatCompletions, arguments(kMaxRequestNesting), 400, "messages");
+}
+
+TEST(ServeProtocol, JsonNestingIsCountedOutsideStrings) {
+  EXPECT_EQ(json_nesting("", 10), 0);
+  EXPECT_EQ(json_nesting("3", 10), 0);
+  EXPECT_EQ(json_nesting(R"({"a": [1, {"b": []}], "c": {}})", 10), 4);
+  EXPECT_EQ(json_nesting(R"(["[[[", "\"[[", "\\", [])", 10), 2) << "brackets in strings, escaped quotes";
+  EXPECT_EQ(json_nesting("]]]][", 10), 1) << "unbalanced closers count as nothing";
+  EXPECT_EQ(json_nesting("[[[[[[", 3), 4) << "past the limit: limit + 1";
 }
 
 TEST(ServeProtocol, SamplingValidateMessagesNameTheirField) {

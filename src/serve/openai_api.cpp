@@ -5,6 +5,8 @@
 #include <cmath>
 #include <limits>
 
+#include "serve/json_nesting.h"
+
 namespace tpmoe::serve {
 
 Json error_json(int status, const std::string& message, const std::string& param, const std::string& code) {
@@ -17,10 +19,14 @@ Json error_json(int status, const std::string& message, const std::string& param
 }
 
 Json parse_json_body(std::string_view body) {
+  if (json_nesting(body, kMaxRequestNesting) > kMaxRequestNesting)
+    throw ApiError(
+        400, fmt::format("the request body nests arrays and objects more than {} levels deep", kMaxRequestNesting), "",
+        "invalid_json");
   Json j;
   try {
     j = Json::parse(body);
-  } catch (const Json::parse_error& e) {
+  } catch (const Json::exception& e) {  // a parse error, or a number past a double's range (out_of_range)
     throw ApiError(400, fmt::format("the request body is not valid JSON: {}", e.what()), "", "invalid_json");
   }
   if (!j.is_object()) throw ApiError(400, fmt::format("the request body must be a JSON object, got {}", j.type_name()));
@@ -197,7 +203,14 @@ void parse_tool_call_arguments(Json& message, size_t index) {
     Json& function = call["function"];
     auto args = function.find("arguments");
     if (args == function.end() || !args->is_string()) continue;
-    Json parsed = Json::parse(args->get<std::string>(), nullptr, /*allow_exceptions=*/false);
+    const std::string& text = args->get_ref<const std::string&>();
+    if (json_nesting(text, kMaxRequestNesting) > kMaxRequestNesting)
+      throw ApiError(400,
+                     fmt::format("messages[{}].tool_calls[{}].function.arguments nests arrays and objects more than {} "
+                                 "levels deep",
+                                 index, j, kMaxRequestNesting),
+                     "messages", "invalid_value");
+    Json parsed = Json::parse(text, nullptr, /*allow_exceptions=*/false);
     if (parsed.is_discarded() || !parsed.is_object())
       throw ApiError(
           400,

@@ -69,7 +69,14 @@ struct ApiRequest {
   bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
 };
 
-// The body's text as a JSON object; 400 naming the problem when it is not one.
+// Arrays and objects a request may nest, in its body and in the JSON text it carries (a tool call's
+// arguments): more than any message list or tool schema needs. Deeper JSON is refused before it is
+// parsed: the code that copies, renders and compares parsed values recurses once a level, and a
+// body of a few megabytes could otherwise nest deep enough to overflow a thread's stack.
+inline constexpr int kMaxRequestNesting = 64;
+
+// The body's text as a JSON object; 400 naming the problem when it is not one (or nests past
+// kMaxRequestNesting).
 Json parse_json_body(std::string_view body);
 // Reads a request for `endpoint`; throws ApiError (400, naming the field) for a field of the wrong
 // type or a value tpmoe does not support. Sampling values themselves are checked by
