@@ -164,6 +164,41 @@ TEST(ToolCalls, ValuesTypedByTheSchema) {
   EXPECT_EQ(read("<s>a <s>b</s> c</s>"), Json({{"s", "a <s>b</s> c"}}));
 }
 
+// A reply can nest its markup as deep as it is long. Values past 32 levels are kept as their text,
+// and reading takes one pass over the text a level, whole or streamed: this reply took seconds at a
+// few thousand levels when each level searched its text anew, and minutes streamed when every piece
+// searched the whole block again.
+TEST(ToolCalls, DeepNestingIsReadInBoundedTimeAndKeptAsTextPastTheLimit) {
+  const int levels = 20000;
+  std::string value;
+  for (int i = 0; i < levels; ++i) value += "<a>";
+  value += "x";
+  for (int i = 0; i < levels; ++i) value += "</a>";
+  const std::string reply = "before" + kNs + "<tool_call>" + kNs + "<invoke name=\"f\">" + kNs + "<v>" + value + kNs +
+                            "</v>" + kNs + "</invoke>" + kNs + "</tool_call>after";
+  std::vector<size_t> pieces;  // as a stream of 4-byte tokens
+  for (size_t i = 4; i < reply.size(); i += 4) pieces.push_back(i);
+  for (const std::vector<size_t>& cuts : {std::vector<size_t>{}, pieces}) {
+    const ToolCallDelta d = read_pieces(reply, cuts);
+    EXPECT_EQ(d.content, "beforeafter");
+    ASSERT_EQ(d.calls.size(), 1u);
+    // v (level 0) holds a, a, ...: 32 levels of objects, then the rest as it was written.
+    const Json* at = &d.calls[0].arguments.at("v");
+    int depth = 0;
+    while (at->is_object() && at->contains("a")) {
+      at = &at->at("a");
+      ++depth;
+    }
+    EXPECT_EQ(depth, 32);
+    ASSERT_TRUE(at->is_string());
+    EXPECT_EQ(at->get<std::string>().size(), value.size() - 32 * 7);
+  }
+  // JSON text nested past the limit is kept as text too.
+  const std::string deep_json = std::string(40, '[') + std::string(40, ']');
+  EXPECT_EQ(read_tool_arguments("<v>" + deep_json + "</v>", Json()).at("v"), Json(deep_json));
+  EXPECT_EQ(read_tool_arguments("<v>[[1]]</v>", Json()).at("v"), Json::parse("[[1]]"));
+}
+
 TEST(ToolCalls, ClosingTagsWithoutTheNamespaceToken) {
   // Seen from MiniMax-M3: the namespace token before the opening tags only.
   const std::string reply = "Searching." + kNs + "<tool_call>\n" + kNs + "<invoke name=\"search\">" + kNs +

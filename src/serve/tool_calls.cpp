@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <set>
+#include <unordered_map>
+
+#include "serve/json_nesting.h"
 
 namespace tpmoe::serve {
 
@@ -35,55 +38,68 @@ struct Element {
   std::string_view content;
 };
 
-// Where the `</name>` closing the element whose content starts at `from` begins, counting nested
-// elements of the same name; npos when it is not there.
-size_t find_close(std::string_view text, const std::string& name, size_t from) {
-  const std::string open = "<" + name + ">", close = "</" + name + ">";
-  int depth = 1;
-  for (size_t at = from;;) {
-    const size_t c = text.find(close, at);
-    if (c == std::string_view::npos) return c;
-    const size_t o = text.find(open, at);
-    if (o < c) {
-      ++depth;
-      at = o + open.size();
-    } else if (--depth == 0) {
-      return c;
-    } else {
-      at = c + close.size();
+// The elements of one invoke's body, matched once: for every `<name>` (a plain name: no '<', '/',
+// whitespace, '"' or '=') the `</name>` that closes it, counting nested elements of the same name.
+// A value's elements are read out of parts of the body at every level of its nesting; a part's
+// `<name>` is closed inside it exactly when the match found in the whole body lies inside the part
+// (whether a tag closes depends only on the tags after it), so one pass over the body serves every
+// level, where searching each part anew cost time cubic in the nesting.
+class ElementIndex {
+ public:
+  explicit ElementIndex(std::string_view body) : body_(body) {
+    std::unordered_map<std::string_view, std::vector<size_t>> unclosed;  // name -> its open tags, innermost last
+    size_t gt = 0;  // the first '>' after the current '<': only moves forward
+    for (size_t at = body.find('<'); at != std::string_view::npos; at = body.find('<', at + 1)) {
+      if (gt <= at) gt = body.find('>', at + 1);
+      if (gt == std::string_view::npos) break;  // no tag ends after here
+      const bool closing = body[at + 1] == '/';
+      const std::string_view name = body.substr(at + 1 + closing, gt - at - 1 - closing);
+      if (name.empty() || name.find_first_of("</ \n\t\"=") != std::string_view::npos) continue;
+      if (!closing) {
+        opens_.emplace(at, Open{name.size(), std::string_view::npos});
+        unclosed[name].push_back(at);
+      } else if (auto it = unclosed.find(name); it != unclosed.end() && !it->second.empty()) {
+        opens_[it->second.back()].close = at;
+        it->second.pop_back();
+      }
     }
   }
-}
 
-// The elements `text` is made of. `strict`: only elements and whitespace between them, else
-// nothing (the text is a plain value); otherwise text outside elements is skipped.
-std::vector<Element> elements_of(std::string_view text, bool strict) {
-  std::vector<Element> out;
-  size_t at = 0;
-  while (at < text.size()) {
-    if (is_space(text[at])) {
-      ++at;
-      continue;
+  // The elements `part` (a view into the body) is made of. `strict`: only elements and whitespace
+  // between them, else nothing (the part is a plain value); otherwise text outside elements is
+  // skipped.
+  std::vector<Element> elements_of(std::string_view part, bool strict) const {
+    std::vector<Element> out;
+    const size_t base = size_t(part.data() - body_.data()), end = base + part.size();
+    size_t at = 0;
+    while (at < part.size()) {
+      if (is_space(part[at])) {
+        ++at;
+        continue;
+      }
+      const auto open = part[at] == '<' ? opens_.find(base + at) : opens_.end();
+      const bool closed = open != opens_.end() && open->second.close != std::string_view::npos &&
+                          open->second.close + open->second.name_size + 3 <= end;
+      if (!closed) {
+        if (strict) return {};
+        ++at;
+        continue;
+      }
+      const size_t content = at + 1 + open->second.name_size + 1, close = open->second.close - base;
+      out.push_back({std::string(part.substr(at + 1, open->second.name_size)), part.substr(content, close - content)});
+      at = close + open->second.name_size + 3;
     }
-    if (text[at] != '<') {
-      if (strict) return {};
-      ++at;
-      continue;
-    }
-    const size_t gt = text.find('>', at + 1);
-    const std::string_view name = text.substr(at + 1, gt == std::string_view::npos ? 0 : gt - at - 1);
-    const bool plain_name = !name.empty() && name.find_first_of("</ \n\t\"=") == std::string_view::npos;
-    const size_t end = plain_name ? find_close(text, std::string(name), gt + 1) : std::string_view::npos;
-    if (end == std::string_view::npos) {
-      if (strict) return {};
-      ++at;
-      continue;
-    }
-    out.push_back({std::string(name), text.substr(gt + 1, end - gt - 1)});
-    at = end + name.size() + 3;
+    return out;
   }
-  return out;
-}
+
+ private:
+  struct Open {
+    size_t name_size;
+    size_t close;  // where its `</name>` starts in the body; npos: never closed
+  };
+  std::string_view body_;
+  std::unordered_map<size_t, Open> opens_;  // by where the `<name>` starts in the body
+};
 
 // The JSON types a schema allows ("type" as a string or a list, and those of anyOf / oneOf).
 std::set<std::string> schema_types(const Json& schema) {
@@ -112,33 +128,47 @@ const Json& sub_schema(const Json& schema, const char* key, const std::string& n
   return field == it->end() ? kNone : *field;
 }
 
-Json read_value(std::string_view text, const Json& schema);
+// Values nested deeper than this (as elements, or as JSON text) are kept as their text: no tool's
+// schema wants that many levels, and reading them would take time and stack in proportion to the
+// nesting, which a reply (its model is not to be trusted with the server) can make as deep as it is
+// long.
+constexpr int kMaxValueNesting = 32;
+
+Json read_value(const ElementIndex& index, std::string_view text, const Json& schema, int nesting);
 
 // A value written as nested elements: a list where every element is an <item> (and the schema does
-// not want an object), else an object.
-Json read_nested(const std::vector<Element>& elements, const Json& schema) {
+// not want an object), else an object. `nesting`: the levels of elements around them.
+Json read_nested(const ElementIndex& index, const std::vector<Element>& elements, const Json& schema, int nesting) {
   const std::set<std::string> types = schema_types(schema);
   const bool wants_object = types.contains("object") && !types.contains("array");
   const bool items = std::all_of(elements.begin(), elements.end(), [](const Element& e) { return e.name == "item"; });
   if (items && !wants_object) {
     Json out = Json::array();
-    for (const Element& e : elements) out.push_back(read_value(e.content, sub_schema(schema, "items")));
+    for (const Element& e : elements)
+      out.push_back(read_value(index, e.content, sub_schema(schema, "items"), nesting + 1));
     return out;
   }
   Json out = Json::object();
-  for (const Element& e : elements) out[e.name] = read_value(e.content, sub_schema(schema, "properties", e.name));
+  for (const Element& e : elements)
+    out[e.name] = read_value(index, e.content, sub_schema(schema, "properties", e.name), nesting + 1);
   return out;
 }
 
-// JSON text as its value (or discarded).
-Json parse_json(std::string_view text) { return Json::parse(text, nullptr, /*allow_exceptions=*/false); }
+// JSON text as its value (or discarded, as is JSON nested past kMaxValueNesting).
+Json parse_json(std::string_view text) {
+  if (json_nesting(text, kMaxValueNesting) > kMaxValueNesting) return Json(Json::value_t::discarded);
+  return Json::parse(text, nullptr, /*allow_exceptions=*/false);
+}
 
-Json read_value(std::string_view text, const Json& schema) {
+// `text`: a part of the body `index` was made of; `nesting`: the levels of elements around it (past
+// kMaxValueNesting the value is its text).
+Json read_value(const ElementIndex& index, std::string_view text, const Json& schema, int nesting) {
+  if (nesting >= kMaxValueNesting) return std::string(text);
   const std::set<std::string> types = schema_types(schema);
   const bool structured = types.contains("object") || types.contains("array");
   if (types.empty() || structured) {
-    const std::vector<Element> elements = elements_of(text, true);
-    if (!elements.empty() || (structured && all_space(text))) return read_nested(elements, schema);
+    const std::vector<Element> elements = index.elements_of(text, true);
+    if (!elements.empty() || (structured && all_space(text))) return read_nested(index, elements, schema, nesting);
   }
   if (types.empty()) {  // undeclared: JSON where it is JSON
     const Json j = parse_json(text);
@@ -171,9 +201,10 @@ const Json& parameters_of(const Json& tools, std::string_view name) {
 }  // namespace
 
 Json read_tool_arguments(std::string_view body, const Json& parameters) {
+  const ElementIndex index(body);
   Json args = Json::object();
-  for (const Element& e : elements_of(body, false))
-    args[e.name] = read_value(e.content, sub_schema(parameters, "properties", e.name));
+  for (const Element& e : index.elements_of(body, false))
+    args[e.name] = read_value(index, e.content, sub_schema(parameters, "properties", e.name), 0);
   return args;
 }
 
@@ -211,20 +242,39 @@ ToolCallDelta ToolCallParser::feed(std::string_view text) {
     if (close == std::string::npos) return out;
     // The block is over; what follows is content again (or another block).
     rest = block_.substr(close + kBlockClose.size());
-    block_.clear();
-    in_block_ = false;
+    end_block();
   }
   return out;
 }
 
+namespace {
+
+// Where `tag` starts in `text` at or after `from`; when it does not, `from` moves up to where a tag
+// still to be completed by more text could start, so that the next search goes over new text only.
+size_t find_from(const std::string& text, std::string_view tag, size_t& from) {
+  const size_t at = text.find(tag, from);
+  if (at == std::string::npos) from = std::max(from, text.size() - std::min(text.size(), tag.size() - 1));
+  return at;
+}
+
+}  // namespace
+
 size_t ToolCallParser::read_block(ToolCallDelta& out) {
+  // Each tag is searched for from where its last search left off: searching the whole block for
+  // every piece of a streamed reply took time quadratic in the block's length.
+  const size_t close = find_from(block_, kBlockClose, block_close_from_);
   for (;;) {
-    const size_t close = block_.find(kBlockClose);
-    const size_t end = block_.find(kInvokeClose);
+    const size_t end = find_from(block_, kInvokeClose, invoke_close_from_);
     if (end == std::string::npos || end > close) return close;
-    emit(without_namespace(std::string_view(block_).substr(0, end + kInvokeClose.size())), out);
-    block_.erase(0, end + kInvokeClose.size());
+    emit(without_namespace(std::string_view(block_).substr(read_, end + kInvokeClose.size() - read_)), out);
+    read_ = invoke_close_from_ = end + kInvokeClose.size();
   }
+}
+
+void ToolCallParser::end_block() {
+  block_.clear();
+  read_ = block_close_from_ = invoke_close_from_ = 0;
+  in_block_ = false;
 }
 
 void ToolCallParser::emit(std::string_view invoke, ToolCallDelta& out) {
@@ -247,15 +297,15 @@ void ToolCallParser::emit(std::string_view invoke, ToolCallDelta& out) {
 
 ToolCallDelta ToolCallParser::flush() {
   ToolCallDelta out;
+  const std::string_view unread = std::string_view(block_).substr(std::min(read_, block_.size()));
   if (!in_block_) {
     out.content = std::move(held_);
-  } else if (!all_space(without_namespace(block_))) {
+  } else if (!all_space(without_namespace(unread))) {
     // Unfinished: the rest as written, with the block's opening tag where none of it was read.
-    out.content = (block_calls_ == 0 ? block_opening() : std::string()) + block_;
+    out.content = (block_calls_ == 0 ? block_opening() : std::string()) + std::string(unread);
   }
   held_.clear();
-  block_.clear();
-  in_block_ = false;
+  end_block();
   return out;
 }
 

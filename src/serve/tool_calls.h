@@ -62,6 +62,7 @@ class ToolCallParser {
   // block_ (npos: not yet written).
   size_t read_block(ToolCallDelta& out);
   void emit(std::string_view invoke, ToolCallDelta& out);
+  void end_block();
 
   ToolCallSyntax syntax_;
   nlohmann::ordered_json tools_;
@@ -70,7 +71,10 @@ class ToolCallParser {
   bool in_block_ = false;
   int block_calls_ = 0;  // calls read out of the open block
   std::string held_;     // outside a block: a tail that may be the start of an opening tag
-  std::string block_;    // inside one: its text as written, after the invokes already read
+  std::string block_;    // inside one: its text as written since its opening tag
+  size_t read_ = 0;      // block_ before this is the invokes already read
+  // Where the next search of block_ for the block's closing tag, and for an invoke's, starts.
+  size_t block_close_from_ = 0, invoke_close_from_ = 0;
 };
 
 // The arguments of one invoke's body (NS removed), typed by `parameters` (the function's JSON schema;
