@@ -23,15 +23,17 @@ if command -v nvcc >/dev/null && [ "${TPMOE_SKIP_CPU_ONLY_BUILD:-0}" != 1 ]; the
   echo "cpu-only build: every target built"
 fi
 
-# libFuzzer targets (clang, ASan + UBSan): the safetensors header parser and the config parser.
+# libFuzzer targets (clang, ASan + UBSan): the parsers of untrusted input - the safetensors header,
+# config.json, request bodies, and model replies read for tool calls and reasoning. An input that
+# takes more than 10 s is a finding too (a hang).
 fuzz_seconds=${TPMOE_FUZZ_SECONDS:-60}
 CC=clang CXX=clang++ cmake -S . -B build-fuzz -G Ninja -DTPMOE_FUZZ=ON >/dev/null
 cmake --build build-fuzz -j "$jobs"
-for target in safetensors_header config; do
+for target in safetensors_header config api_request reply_parsers; do
   corpus=$(mktemp -d)
   cp fuzz/corpus/"$target"/* "$corpus"/
   echo "fuzz_$target: ${fuzz_seconds}s"
-  ./build-fuzz/fuzz_"$target" -max_total_time="$fuzz_seconds" -print_final_stats=0 "$corpus" 2>&1 | tail -n 2
+  ./build-fuzz/fuzz_"$target" -max_total_time="$fuzz_seconds" -timeout=10 -print_final_stats=0 "$corpus" 2>&1 | tail -n 2
   rm -rf "$corpus"
 done
 
