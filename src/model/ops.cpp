@@ -1,5 +1,7 @@
 #include "model/ops.h"
 
+#include <unordered_map>
+
 #include "core/error.h"
 
 namespace tpmoe {
@@ -33,6 +35,28 @@ void check_step_fits_cache(const StepTokens& step, const CacheShape& cache) {
                 pos, cache.max_len);
     TPMOE_CHECK(cache.row(step.page_table, slot, pos) >= 0, "slot {} has no KV-cache page for position {}", slot, pos);
   }
+}
+
+bool step_keeps_earlier_keys(const StepTokens& step, const CacheShape& cache) {
+  std::unordered_map<int32_t, int32_t> position_of;  // slot -> the one position its tokens have
+  for (int t = 0; t < step.num_tokens(); ++t) {
+    const auto [at, fresh] = position_of.emplace(step.seq_slots[t], step.positions[t]);
+    if (!fresh && at->second != step.positions[t]) return false;
+  }
+  if (step.page_table.empty()) return true;  // slot s holds pages of its own
+  // Each written page must appear once in the table: its own slot's entry for that position.
+  const int pps = cache.pages_per_seq();
+  std::unordered_map<int32_t, int> references;  // written page -> entries of the table naming it
+  for (const auto& [slot, pos] : position_of) {
+    const size_t entry = size_t(slot) * size_t(pps) + size_t(pos / cache.page_size);
+    if (entry >= step.page_table.size()) return false;
+    references.emplace(step.page_table[entry], 0);
+  }
+  for (int32_t page : step.page_table)
+    if (auto it = references.find(page); it != references.end()) ++it->second;
+  for (const auto& [page, count] : references)
+    if (count != 1) return false;
+  return true;
 }
 
 }  // namespace tpmoe
