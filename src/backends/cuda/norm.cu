@@ -52,6 +52,21 @@ __global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNorm
   float* res = p.residual + row * H;
   const __nv_bfloat16* part = p.partial ? p.partial + row * H : nullptr;
   __nv_bfloat16* out = p.out + row * H;
+  // The weights of this thread's first two chunks before the wait (weights: kernel_utils.cuh), so
+  // that their latency overlaps the kernel before instead of following the sum of squares; more
+  // chunks a thread (H > 16 x the block) load theirs where they multiply.
+  float4 w_early[2][2] = {};
+  if constexpr (kVec) {
+    const float4* w4 = reinterpret_cast<const float4*>(p.weight);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int c = threadIdx.x + k * blockDim.x;
+      if (c < H / 8) {
+        w_early[k][0] = __ldg(&w4[2 * c]);
+        w_early[k][1] = __ldg(&w4[2 * c + 1]);
+      }
+    }
+  }
   pdl_wait();
   pdl_trigger();
 
@@ -83,9 +98,11 @@ __global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNorm
   if constexpr (kVec) {
     const float4* res4 = reinterpret_cast<const float4*>(res);
     const float4* w4 = reinterpret_cast<const float4*>(p.weight);
-    for (int c = threadIdx.x; c < H / 8; c += blockDim.x)
-      reinterpret_cast<uint4*>(out)[c] =
-          normed_chunk(res4[2 * c], res4[2 * c + 1], __ldg(&w4[2 * c]), __ldg(&w4[2 * c + 1]), inv);
+    for (int c = threadIdx.x, k = 0; c < H / 8; c += blockDim.x, ++k) {
+      const float4 w0 = k == 0 ? w_early[0][0] : k == 1 ? w_early[1][0] : __ldg(&w4[2 * c]);
+      const float4 w1 = k == 0 ? w_early[0][1] : k == 1 ? w_early[1][1] : __ldg(&w4[2 * c + 1]);
+      reinterpret_cast<uint4*>(out)[c] = normed_chunk(res4[2 * c], res4[2 * c + 1], w0, w1, inv);
+    }
   } else {
     for (int i = threadIdx.x; i < H; i += blockDim.x)
       out[i] = __float2bfloat16_rn(res[i] * inv * (1.f + __ldg(&p.weight[i])));
