@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <random>
 #include <string>
@@ -206,6 +207,13 @@ class Harness {
     p.out = dout.get();
     p.workspace = dws.get();
     p.workspace_bytes = ws_bytes;
+    // As CudaOps sets it. In a decode step the split kernel starts copying the keys below each
+    // query's position before its PDL wait, while the cache write launched just before it stores
+    // the step's own rows; those rows are NaN until then (the cache's poison: a step never writes a
+    // row twice), so a query row read too early shows as a non-finite output below.
+    std::vector<int32_t> page_writer(size_t(shape_.num_pages), -1);
+    const bool decode_step = step_keeps_earlier_keys(st, shape_, page_writer);
+    p.decode_step = decode_step;
     cuda::launch_attention(p, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -223,6 +231,19 @@ class Harness {
     CUDA_CHECK(cudaMemcpy(arrivals.data(), dws.get(), zeroed, cudaMemcpyDeviceToHost));
     EXPECT_EQ(size_t(std::count(arrivals.begin(), arrivals.end(), 0)), arrivals.size())
         << "arrival counters left non-zero after the launch";
+
+    // The same launch with every key read after the wait gives the same bits: when the keys are
+    // read changes nothing else. (The cache write stores the same rows again.)
+    if (decode_step) {
+      DeviceBuffer<bf16> dout_after(size_t(T) * nq * hd);
+      p.out = dout_after.get();
+      p.decode_step = false;
+      cuda::launch_attention(p, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<bf16> early = dout.download(), after = dout_after.download();
+      EXPECT_EQ(std::memcmp(early.data(), after.data(), early.size() * sizeof(bf16)), 0)
+          << "decode_step changed the attention output";
+    }
 
     // Cache: the step's rows, and every row written by earlier steps, hold exactly the bf16 inputs.
     for (int t = 0; t < T; ++t) {

@@ -149,6 +149,16 @@ struct SampleBatch {
 // every backend's begin_step checks before it writes there).
 void check_step_fits_cache(const StepTokens& step, const CacheShape& cache);
 
+// Whether every key a token of the step attends to below its own position is one an earlier step
+// wrote: no sequence has tokens at two positions (a decode step; padding rows may share a slot at
+// one position), and no page the step writes is mapped, below a token's position, in the page-table
+// row of another slot or at another place in its own. Then a backend may read those keys before the
+// step's own cache writes are done (the GPU's attention kernel does, under programmatic dependent
+// launch). `page_writer` is scratch: cache.num_pages entries, all -1, and left so. The cost is the
+// step's tokens and the pages its sequences hold below their positions, not the whole table. A step
+// that fails check_step_fits_cache may give either answer.
+bool step_keeps_earlier_keys(const StepTokens& step, const CacheShape& cache, std::vector<int32_t>& page_writer);
+
 class Ops {
  public:
   virtual ~Ops() = default;

@@ -79,10 +79,46 @@ __device__ __forceinline__ void sum_partials(const Peers& peers, const Allreduce
     add_bf16x8(reinterpret_cast<const uint4*>(peers.peer(r) + p.window.partial_offset)[chunk], s);
 }
 
+// The norm weights of a thread's chunks (c = threadIdx.x + k * blockDim.x: the same for every row).
+// Loaded before the PDL wait where a thread has at most two chunks (hidden <= 16384 at 1024
+// threads): weights are what no kernel of the step writes (kernel_utils.cuh), so their latency
+// overlaps the kernel before instead of following the row's sum of squares. Wider rows load them
+// where they multiply, as the row's values already take the registers (64 a thread at 1024).
+template <int kChunks>
+struct NormWeights {
+  static constexpr bool kEarly = kChunks <= 2;
+  float4 w[kEarly ? kChunks : 1][2];
+  __device__ explicit NormWeights(const AllreduceNormParams& p) {
+    if constexpr (kEarly) {
+      const float4* w4 = reinterpret_cast<const float4*>(p.weight);
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int c = threadIdx.x + k * blockDim.x;
+        if (c < p.hidden / 8) {
+          w[k][0] = __ldg(&w4[2 * c]);
+          w[k][1] = __ldg(&w4[2 * c + 1]);
+        }
+      }
+    }
+  }
+  // Chunk c, the thread's k-th.
+  __device__ void get(const AllreduceNormParams& p, int k, int c, float4& w0, float4& w1) const {
+    if constexpr (kEarly) {
+      w0 = w[k][0];
+      w1 = w[k][1];
+    } else {
+      const float4* w4 = reinterpret_cast<const float4*>(p.weight);
+      w0 = __ldg(&w4[2 * c]);
+      w1 = __ldg(&w4[2 * c + 1]);
+    }
+  }
+};
+
 // Normalises one row whose new residual chunks `load(c, v)` produces (fp32, 8 at a time); writes the
 // residual and y of this rank and, when `publish` is set, the residual into this rank's window too.
 template <int kChunks, class Load>
-__device__ __forceinline__ void norm_row(const AllreduceNormParams& p, int64_t row, Load load, float* publish) {
+__device__ __forceinline__ void norm_row(const AllreduceNormParams& p, const NormWeights<kChunks>& weights, int64_t row,
+                                         Load load, float* publish) {
   const int H = p.hidden, nvec = H / 8;
   float v[kChunks][8];
   float ss = 0.f;
@@ -99,7 +135,6 @@ __device__ __forceinline__ void norm_row(const AllreduceNormParams& p, int64_t r
   const float inv = 1.f / sqrtf(ss / float(H) + p.eps);
   float4* res4 = reinterpret_cast<float4*>(p.residual + row * H);
   float4* pub4 = publish ? reinterpret_cast<float4*>(publish + row * H) : nullptr;
-  const float4* w4 = reinterpret_cast<const float4*>(p.weight);
   uint4* out = reinterpret_cast<uint4*>(p.out + row * H);
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
@@ -112,7 +147,8 @@ __device__ __forceinline__ void norm_row(const AllreduceNormParams& p, int64_t r
         pub4[2 * c] = r0;
         pub4[2 * c + 1] = r1;
       }
-      const float4 w0 = __ldg(&w4[2 * c]), w1 = __ldg(&w4[2 * c + 1]);
+      float4 w0, w1;
+      weights.get(p, k, c, w0, w1);
       const float w[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
       float y[8];
 #pragma unroll
@@ -149,6 +185,7 @@ __device__ __forceinline__ void publish_partial(const Peers& peers, const Allred
 
 template <int kChunks, class Peers>
 __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  const NormWeights<kChunks> weights(p);  // before the wait (see NormWeights)
   pdl_wait();
   pdl_trigger();
   typename Peers::Barrier barrier(peers);
@@ -158,13 +195,14 @@ __global__ void __launch_bounds__(kMaxThreads) oneshot_kernel(AllreduceNormParam
   }
   if (phases & kPhaseReduce) {
     for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x)
-      norm_row<kChunks>(p, row, LoadSum<Peers>{peers, p, row}, nullptr);
+      norm_row<kChunks>(p, weights, row, LoadSum<Peers>{peers, p, row}, nullptr);
     barrier.sync();  // completion: no peer reads this rank's window any more
   }
 }
 
 template <int kChunks, class Peers>
 __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  const NormWeights<kChunks> weights(p);  // before the wait (see NormWeights)
   pdl_wait();
   pdl_trigger();
   typename Peers::Barrier barrier(peers);
@@ -180,7 +218,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(AllreduceNormParam
     const int64_t begin = rows_begin(p.rank, p), count = rows_begin(p.rank + 1, p) - begin;
     float* publish = reinterpret_cast<float*>(peers.peer(p.rank) + p.window.residual_offset);
     for (int64_t j = blockIdx.x; j < count; j += gridDim.x)
-      norm_row<kChunks>(p, begin + j, LoadSum<Peers>{peers, p, begin + j}, publish);
+      norm_row<kChunks>(p, weights, begin + j, LoadSum<Peers>{peers, p, begin + j}, publish);
     barrier.sync();  // after this: every owner's new residual rows of this CTA are in its window
   }
   if (phases & kPhaseGather) {
@@ -191,7 +229,7 @@ __global__ void __launch_bounds__(kMaxThreads) twoshot_kernel(AllreduceNormParam
       for (int64_t j = blockIdx.x; j < count; j += gridDim.x) {
         const float4* src = reinterpret_cast<const float4*>(owner + (begin + j) * p.hidden);
         norm_row<kChunks>(
-            p, begin + j,
+            p, weights, begin + j,
             [&](int c, float(&v)[8]) {
               const float4 r0 = src[2 * c], r1 = src[2 * c + 1];
               v[0] = r0.x, v[1] = r0.y, v[2] = r0.z, v[3] = r0.w, v[4] = r1.x, v[5] = r1.y, v[6] = r1.z, v[7] = r1.w;
@@ -251,6 +289,9 @@ struct LoadMailbox {
   int buffer;
   __device__ void operator()(int c, float (&v)[8]) const {
     char* mine = peers.peer(p.rank);
+    // The residual first: its load is in flight while the peers' rows are awaited.
+    const float4* res4 = reinterpret_cast<const float4*>(p.residual + row * p.hidden);
+    const float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
     float s[8];
     for (int r = 0; r < p.nranks; ++r) {
       uint4* slot = mailbox_chunk(mine, p, buffer, r, row, c);
@@ -271,8 +312,6 @@ struct LoadMailbox {
         }
       }
     }
-    const float4* res4 = reinterpret_cast<const float4*>(p.residual + row * p.hidden);
-    const float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
     v[0] = r0.x + s[0], v[1] = r0.y + s[1], v[2] = r0.z + s[2], v[3] = r0.w + s[3];
     v[4] = r1.x + s[4], v[5] = r1.y + s[5], v[6] = r1.z + s[6], v[7] = r1.w + s[7];
   }
@@ -280,6 +319,7 @@ struct LoadMailbox {
 
 template <int kChunks, class Peers>
 __global__ void __launch_bounds__(kMaxThreads) push_kernel(AllreduceNormParams p, Peers peers, int phases) {
+  const NormWeights<kChunks> weights(p);  // before the wait (see NormWeights)
   pdl_wait();
   pdl_trigger();
   uint32_t* control = reinterpret_cast<uint32_t*>(peers.peer(p.rank) + p.window.control_offset);
@@ -298,7 +338,7 @@ __global__ void __launch_bounds__(kMaxThreads) push_kernel(AllreduceNormParams p
   }
   if (phases & kPhaseReduce) {
     for (int64_t row = blockIdx.x; row < p.rows; row += gridDim.x)
-      norm_row<kChunks>(p, row, LoadMailbox<Peers>{peers, p, row, buffer}, nullptr);
+      norm_row<kChunks>(p, weights, row, LoadMailbox<Peers>{peers, p, row, buffer}, nullptr);
     __syncthreads();
     if (threadIdx.x == 0) {
       __threadfence();

@@ -39,7 +39,10 @@
 //    pool rows looked up and its K/V rows copied by cp.async (zero-filled where invisible) while
 //    tile j is scored, one barrier a tile (a tile's lookup, loads and two barriers one after
 //    another measured ~3 us a tile; the pipelined walk took a batch-1 step of the tp-8 rank 2%
-//    shorter, docs/PERF.md).
+//    shorter, docs/PERF.md). Before its PDL wait a full layer's pipelined walk looks up its first
+//    tile's pool rows (the page table is a step input) and, in a decode step (the caller's
+//    decode_step: every key below a query's position is an earlier step's), copies that tile's
+//    keys below the query's position; after the wait, only the query's own row.
 //    With one split the block writes the bf16 output directly. Otherwise each split writes its
 //    partials (m, l, acc[HD], fp32) to the workspace and counts itself in on the (token, block
 //    row)'s arrival counter; the block that arrives last - all the splits that ran (split s ran
@@ -413,6 +416,7 @@ struct SplitArgs {
   int heads;           // warps of a key group: min(group, kMaxWarps)
   int key_groups;      // G: groups of `heads` warps walking the block's tiles side by side
   int pipelined;       // G == 1 only: two tile buffers, the next tile copied (cp.async) while one is scored
+  int decode_step;     // AttentionKernelParams::decode_step: keys below pos may be read before the wait
   __nv_bfloat16* out;  // written when num_splits == 1
   float2* ml;          // [T*nq][S] (m in log2 units, l)
   float* acc;          // [T*nq][S][HD]
@@ -478,15 +482,23 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   extern __shared__ __align__(16) unsigned char split_smem[];
   __shared__ int seg_start[kMaxTopk];    // first visible key of segment e
   __shared__ int seg_off[kMaxTopk + 1];  // visible keys before segment e (exclusive prefix sum)
-  pdl_wait();
-  pdl_trigger();
 
+  // Before the PDL wait the kernel reads only what no kernel of this step writes (kernel_utils.cuh):
+  // the step's inputs (positions, slots and the page table, uploaded before its first kernel) and,
+  // where SplitArgs::decode_step says so, cache rows below the query's position. So a full layer's
+  // pipelined walk looks up its first tile's pool rows, and in a decode step starts copying its keys
+  // and values too, while the kernel before (the head norm + RoPE that stores this step's keys)
+  // still runs; after the wait it copies only the row at the query's own position.
   const int t = blockIdx.x;
   const int kvh = blockIdx.y / a.head_chunks, head_chunk = blockIdx.y % a.head_chunks;
   const int split = blockIdx.z;
   const int pos = a.positions[t], slot = a.seq_slots[t];
   const int lo = split * a.chunk;
-  if (lo > pos) return;  // uniform over the block; the merge skips this split, and it counts no arrival
+  if (lo > pos) {  // uniform over the block; the merge skips this split, and it counts no arrival
+    pdl_wait();
+    pdl_trigger();
+    return;
+  }
   const int hi = min(lo + a.chunk, pos + 1);
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int G = a.key_groups, group_threads = a.heads * kWarp;
@@ -499,15 +511,73 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   int* tile_pos = reinterpret_cast<int*>(v_tile + kTile * HD);  // key position of tile slot r, -1: empty
 
   // Visible keys as segments [seg_start[e], seg_start[e] + len_e), len_e = seg_off[e+1] - seg_off[e]
-  // (possibly 0). Full layers: one segment.
+  // (possibly 0). Full layers: one segment, [lo, hi); sparse layers: the kept blocks (written by the
+  // selection launch, so read after the wait).
   const int num_segs = a.sparse ? a.topk : 1;
-  if (!a.sparse) {
-    if (tid == 0) {
-      seg_start[0] = lo;
-      seg_off[0] = 0;
-      seg_off[1] = hi - lo;
+  int total = hi - lo;  // visible keys of the block; sparse layers: set after the wait
+  if (!a.sparse && tid == 0) {
+    seg_start[0] = lo;
+    seg_off[0] = 0;
+    seg_off[1] = hi - lo;
+  }
+  const size_t pos_stride = size_t(a.num_kv_heads) * HD;  // elements between consecutive pool rows
+  const int32_t* slot_pages = a.pages.slot_pages(slot);
+  const size_t head_offset = size_t(kvh) * HD;
+
+  // Key number i of the block's visible keys -> its position (-1 past the last): the last segment e
+  // with seg_off[e] <= i holds it.
+  auto key_position = [&](int i) {
+    if (i >= total) return -1;
+    int lo_e = 0, hi_e = num_segs - 1;
+    while (lo_e < hi_e) {
+      const int mid = (lo_e + hi_e + 1) / 2;
+      if (seg_off[mid] <= i)
+        lo_e = mid;
+      else
+        hi_e = mid - 1;
     }
-  } else {
+    return seg_start[lo_e] + (i - seg_off[lo_e]);
+  };
+
+  // The pipelined walk (one key group, two tile buffers, G's space for two): tile j + 1's pool rows
+  // are looked up and its keys and values copied (cp.async, no registers) while tile j is scored.
+  auto buffer = [&](int b) { return split_smem + Smem::q_bytes(a.heads) + size_t(b) * Smem::kGroupBytes; };
+  auto k_buf = [&](int b) { return reinterpret_cast<__nv_bfloat16*>(buffer(b)); };
+  auto v_buf = [&](int b) { return k_buf(b) + kTile * kKStride; };
+  auto rows_buf = [&](int b) { return reinterpret_cast<int*>(v_buf(b) + kTile * HD); };  // pool row, -1: none
+  auto stage_rows = [&](int tile, int b) {
+    if (tid < kTile) {
+      const int p = key_position(tile * kTile + tid);
+      rows_buf(b)[tid] = p >= 0 ? int(PageMap::row(slot_pages, a.pages.shift, p)) : -1;
+    }
+  };
+  // Copies the tile's rows (zero-filled where invisible) whose key position is below the query's
+  // (kEarlierKeys), at or past it (kQueryKeys), or all of them, as one cp.async group.
+  enum Rows { kEveryRow, kEarlierKeys, kQueryKeys };
+  auto copy_tile = [&](int tile, int b, Rows which) {
+    const int* rows = rows_buf(b);
+    for (int idx = tid; idx < kTile * kChunks; idx += blockDim.x) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      if (which != kEveryRow && (key_position(tile * kTile + r) < pos) != (which == kEarlierKeys)) continue;
+      const int row = rows[r];
+      const size_t off = size_t(max(row, 0)) * pos_stride + head_offset + size_t(c) * 8;
+      cp_async16(k_buf(b) + r * kKStride + c * 8, a.k_cache + off, row >= 0);
+      cp_async16(v_buf(b) + r * HD + c * 8, a.v_cache + off, row >= 0);
+    }
+    cp_async_commit();
+  };
+  // A full layer's first tile goes before the wait (its segment is known already).
+  const bool early = a.pipelined && !a.sparse;
+  if (early) {
+    __syncthreads();  // the segment
+    stage_rows(0, 0);
+    __syncthreads();
+    if (a.decode_step) copy_tile(0, 0, kEarlierKeys);
+  }
+  pdl_wait();
+  pdl_trigger();
+
+  if (a.sparse) {
     const int32_t* kept = a.kept + (size_t(t) * a.num_kv_heads + kvh) * a.topk;
     if (warp == 0) {
       int carry = 0;
@@ -545,30 +615,13 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   }
   __syncthreads();
 
-  const int total = seg_off[num_segs];
+  if (a.sparse) total = seg_off[num_segs];
   const int tiles = (total + kTile - 1) / kTile;
-  const size_t pos_stride = size_t(a.num_kv_heads) * HD;  // elements between consecutive pool rows
-  const int32_t* slot_pages = a.pages.slot_pages(slot);
-  const size_t head_offset = size_t(kvh) * HD;
   float m = -INFINITY, l = 0.f;
   float acc[kDpl];
 #pragma unroll
   for (int i = 0; i < kDpl; ++i) acc[i] = 0.f;
 
-  // Key number i of the block's visible keys -> its position (-1 past the last): the last segment e
-  // with seg_off[e] <= i holds it.
-  auto key_position = [&](int i) {
-    if (i >= total) return -1;
-    int lo_e = 0, hi_e = num_segs - 1;
-    while (lo_e < hi_e) {
-      const int mid = (lo_e + hi_e + 1) / 2;
-      if (seg_off[mid] <= i)
-        lo_e = mid;
-      else
-        hi_e = mid - 1;
-    }
-    return seg_start[lo_e] + (i - seg_off[lo_e]);
-  };
   // This warp's head over one tile in shared memory (keys i0 .., zero rows past the last key):
   // the online softmax's m, l and acc updated.
   auto score_tile = [&](int i0, const __nv_bfloat16* kt, const __nv_bfloat16* vt) {
@@ -600,40 +653,22 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   };
 
   if (a.pipelined) {
-    // One key group, two tile buffers (G's space for two): tile j + 1's pool rows are looked up and
-    // its keys and values copied (cp.async, no registers) while tile j is scored; one barrier a tile.
-    auto buffer = [&](int b) { return split_smem + Smem::q_bytes(a.heads) + size_t(b) * Smem::kGroupBytes; };
-    auto k_buf = [&](int b) { return reinterpret_cast<__nv_bfloat16*>(buffer(b)); };
-    auto v_buf = [&](int b) { return k_buf(b) + kTile * kKStride; };
-    auto rows_buf = [&](int b) { return reinterpret_cast<int*>(v_buf(b) + kTile * HD); };  // pool row, -1: none
-    auto stage_rows = [&](int tile, int b) {
-      if (tid < kTile) {
-        const int p = key_position(tile * kTile + tid);
-        rows_buf(b)[tid] = p >= 0 ? int(PageMap::row(slot_pages, a.pages.shift, p)) : -1;
-      }
-    };
-    auto copy_tile = [&](int b) {
-      const int* rows = rows_buf(b);
-      for (int idx = tid; idx < kTile * kChunks; idx += blockDim.x) {
-        const int r = idx / kChunks, c = idx % kChunks;
-        const int row = rows[r];
-        const size_t off = size_t(max(row, 0)) * pos_stride + head_offset + size_t(c) * 8;
-        cp_async16(k_buf(b) + r * kKStride + c * 8, a.k_cache + off, row >= 0);
-        cp_async16(v_buf(b) + r * HD + c * 8, a.v_cache + off, row >= 0);
-      }
-      cp_async_commit();
-    };
+    // One barrier a tile: tile j + 1's rows are staged before it, its copies issued after it.
     if (tiles > 0) {
-      stage_rows(0, 0);
-      __syncthreads();
-      copy_tile(0);
+      if (early) {
+        copy_tile(0, 0, a.decode_step ? kQueryKeys : kEveryRow);  // the rest of tile 0
+      } else {
+        stage_rows(0, 0);
+        __syncthreads();
+        copy_tile(0, 0, kEveryRow);
+      }
     }
     for (int tile = 0; tile < tiles; ++tile) {
       const int b = tile & 1;
-      if (tile + 1 < tiles) stage_rows(tile + 1, b ^ 1);  // its buffer's last reader passed the last barrier
-      cp_async_wait_all();                                // this thread's copies of tile
-      __syncthreads();                                    // everyone's; and tile + 1's rows
-      if (tile + 1 < tiles) copy_tile(b ^ 1);             // buffer b ^ 1 was last scored before the barrier
+      if (tile + 1 < tiles) stage_rows(tile + 1, b ^ 1);            // its buffer's last reader passed the last barrier
+      cp_async_wait_all();                                          // this thread's copies of tile
+      __syncthreads();                                              // everyone's; and tile + 1's rows
+      if (tile + 1 < tiles) copy_tile(tile + 1, b ^ 1, kEveryRow);  // buffer b ^ 1 was last scored before the barrier
       if (active) score_tile(tile * kTile, k_buf(b), v_buf(b));
     }
   } else {
@@ -931,6 +966,7 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   a.topk = select ? p.topk_blocks : 0;
   a.scale_log2 = p.scale * 1.4426950408889634f;
   a.heads = std::min(group, kMaxWarps);
+  a.decode_step = p.decode_step ? 1 : 0;
   a.out = p.out;
   switch (p.head_dim) {
     case 32: launch_split<32>(plan, arrivals, ws + kept_region, T, a, on); break;

@@ -40,6 +40,11 @@ struct AttentionKernelParams {
   // the cache-write launch is skipped and k, v, index_k are not read (they may be null). False (the
   // default): launch_attention writes them first.
   bool cache_written = false;
+  // True: every key a token attends to below its own position was written by an earlier step
+  // (step_keeps_earlier_keys, model/ops.h: a decode step), so the split kernel may start copying
+  // them before its PDL wait, while the kernel that stores this step's keys still runs. False (the
+  // default): every key is read after the wait.
+  bool decode_step = false;
   const int32_t* positions = nullptr;  // [T]
   const int32_t* seq_slots = nullptr;  // [T]
   int num_tokens = 0;

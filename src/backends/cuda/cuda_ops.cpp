@@ -195,6 +195,7 @@ void CudaOps::init_cache(const CacheShape& shape) {
   for (auto& [key, g] : graphs_) CUDA_CHECK(cudaGraphExecDestroy(g.exec));  // they point at the old cache
   graphs_.clear();
   cache_shape_ = shape;
+  page_writer_.assign(size_t(shape.num_pages), -1);
 
   const size_t rows = size_t(shape.num_pages) * size_t(shape.page_size);
   const size_t kv_bytes = rows * shape.num_kv_heads * shape.head_dim * sizeof(__nv_bfloat16);
@@ -284,6 +285,7 @@ void CudaOps::begin_step(const StepTokens& step) {
   context_bound_ = kMinContextBound;
   while (context_bound_ <= max_position) context_bound_ *= 2;
   context_bound_ = std::min(context_bound_, cache_shape_.max_len);
+  decode_step_ = step_keeps_earlier_keys(step, cache_shape_, page_writer_);
   num_tokens_ = T;
   num_logit_rows_ = R;
   arena_used_ = 0;
@@ -292,7 +294,8 @@ void CudaOps::begin_step(const StepTokens& step) {
 
 Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
   if (profile_ops_) return body();  // per-op events need eager launches
-  auto it = graphs_.find({key, context_bound_});
+  const GraphKey graph_key{key, context_bound_, decode_step_};
+  auto it = graphs_.find(graph_key);
   if (it == graphs_.end()) {
     // Record the step once; allocation inside it is a deterministic bump, so replays reuse the
     // same addresses, including the returned logits.
@@ -321,7 +324,7 @@ Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
     }
     CUDA_CHECK(cudaGraphInstantiate(&g.exec, graph, 0));
     CUDA_CHECK(cudaGraphDestroy(graph));
-    it = graphs_.emplace(std::make_pair(key, context_bound_), g).first;
+    it = graphs_.emplace(graph_key, g).first;
   }
   CUDA_CHECK(cudaGraphLaunch(it->second.exec, stream_));
   last_step_launches_ = it->second.kernels;
@@ -493,6 +496,7 @@ AttentionKernelParams CudaOps::attention_params(Tensor q, Tensor k, Tensor v, Te
   a.seq_slots = seq_slots_;
   a.num_tokens = num_tokens_;
   a.context_bound = context_bound_;
+  a.decode_step = decode_step_;
   a.num_q_heads = p.num_q_heads;
   a.num_kv_heads = p.num_kv_heads;
   a.head_dim = p.head_dim;

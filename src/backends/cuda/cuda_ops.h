@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <compare>
 #include <functional>
 #include <map>
 #include <memory>
@@ -202,9 +203,20 @@ class CudaOps final : public Ops {
     int kernels = 0;        // kernel launches the recording replays
   };
   int last_step_launches_ = 0;
-  // Recorded steps by (caller's key, context bound): the attention grid depends on both.
-  std::map<std::pair<int, int>, Graph> graphs_;
+  // Recorded steps by the caller's key, the context bound (the attention grid depends on it) and
+  // whether the step keeps earlier keys (the attention kernel's decode_step).
+  struct GraphKey {
+    int key = 0;
+    int context_bound = 0;
+    bool decode_step = false;
+    auto operator<=>(const GraphKey&) const = default;
+  };
+  std::map<GraphKey, Graph> graphs_;
   int context_bound_ = 0;  // the current step's (begin_step): positions below it, a power of two
+  // The current step's step_keeps_earlier_keys (begin_step): its attention may read the keys of
+  // earlier steps before the kernel that stores its own keys is done.
+  bool decode_step_ = false;
+  std::vector<int32_t> page_writer_;  // step_keeps_earlier_keys' scratch, a page each (init_cache)
 };
 
 }  // namespace tpmoe::cuda

@@ -30,10 +30,12 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 // each one pays its launch (grid setup, CTA dispatch) after the previous has drained. A kernel
 // launched by launch_pdl may instead start while its predecessor in the stream still runs. The
 // contract, for every kernel launched that way: call pdl_wait() in every thread, on every path,
-// before reading anything an earlier kernel wrote or writing anything (only reads of weights - an
-// L2 prefetch - may go before it), then pdl_trigger(), which lets the successor launch. Since every
-// kernel waits before it triggers, the kernel two back is complete whenever one starts. Both are
-// no-ops for a kernel launched without the attribute.
+// before reading anything an earlier kernel of the step wrote or writing any global memory (only
+// reads of what no kernel of the step writes may go before it: weights, the step's inputs that the
+// host uploaded before its first kernel, and what a caller vouches for, such as the attention's
+// keys of earlier steps), then pdl_trigger(), which lets the successor launch. Since every kernel
+// waits before it triggers, the kernel two back is complete whenever one starts. Both are no-ops
+// for a kernel launched without the attribute.
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 

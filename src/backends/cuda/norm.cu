@@ -14,8 +14,10 @@
 //   so reading and writing in place never races. inv_freq[i] = float(pow(double(theta), -2i/rd)) as
 //   the CPU oracle computes it, once per block into shared memory; cos/sin by sincosf (full-range accurate, not __sinf:
 //   angles reach pos * 1 rad, far outside the fast intrinsics' range). Bytes: 2 x T*heads*hd*2.
+//   Before the PDL wait (step inputs and weights only: kernel_utils.cuh) a warp computes its cos /
+//   sin and loads its norm weights, so that only x's loads, the norm and the stores follow the wait.
 //   Cache store (items with `cache`/`copy`, CudaOps::rotate_and_attend): the warp looks up its
-//   token's pool row (seq_slots, page table: kv_cache.cuh) before the norm, writes each bf16 result
+//   token's pool row (seq_slots, page table: kv_cache.cuh) before the wait, writes each bf16 result
 //   to the cache row as well as back to x (the same value, so the cache holds what x holds), and
 //   copies the head of `copy` (v) to its cache row with one 16-byte access per lane (hd <= 256: at
 //   most 32 vectors). This replaces attention's cache-write launch; as a launch before attention's,
@@ -52,6 +54,21 @@ __global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNorm
   float* res = p.residual + row * H;
   const __nv_bfloat16* part = p.partial ? p.partial + row * H : nullptr;
   __nv_bfloat16* out = p.out + row * H;
+  // The weights of this thread's first two chunks before the wait (weights: kernel_utils.cuh), so
+  // that their latency overlaps the kernel before instead of following the sum of squares; more
+  // chunks a thread (H > 16 x the block) load theirs where they multiply.
+  float4 w_early[2][2] = {};
+  if constexpr (kVec) {
+    const float4* w4 = reinterpret_cast<const float4*>(p.weight);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int c = threadIdx.x + k * blockDim.x;
+      if (c < H / 8) {
+        w_early[k][0] = __ldg(&w4[2 * c]);
+        w_early[k][1] = __ldg(&w4[2 * c + 1]);
+      }
+    }
+  }
   pdl_wait();
   pdl_trigger();
 
@@ -83,9 +100,11 @@ __global__ void __launch_bounds__(kMaxNormThreads) add_rmsnorm_kernel(AddRmsNorm
   if constexpr (kVec) {
     const float4* res4 = reinterpret_cast<const float4*>(res);
     const float4* w4 = reinterpret_cast<const float4*>(p.weight);
-    for (int c = threadIdx.x; c < H / 8; c += blockDim.x)
-      reinterpret_cast<uint4*>(out)[c] =
-          normed_chunk(res4[2 * c], res4[2 * c + 1], __ldg(&w4[2 * c]), __ldg(&w4[2 * c + 1]), inv);
+    for (int c = threadIdx.x, k = 0; c < H / 8; c += blockDim.x, ++k) {
+      const float4 w0 = k == 0 ? w_early[0][0] : k == 1 ? w_early[1][0] : __ldg(&w4[2 * c]);
+      const float4 w1 = k == 0 ? w_early[0][1] : k == 1 ? w_early[1][1] : __ldg(&w4[2 * c + 1]);
+      reinterpret_cast<uint4*>(out)[c] = normed_chunk(res4[2 * c], res4[2 * c + 1], w0, w1, inv);
+    }
   } else {
     for (int i = threadIdx.x; i < H; i += blockDim.x)
       out[i] = __float2bfloat16_rn(res[i] * inv * (1.f + __ldg(&p.weight[i])));
@@ -109,23 +128,47 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kern
   __shared__ float inv_freq[kMaxHeadDim / 2];
   for (int i = threadIdx.x; i < half; i += blockDim.x) inv_freq[i] = float(pow(double(p.theta), -2.0 * i / rd));
   __syncthreads();
-  pdl_wait();  // the frequencies above overlap the previous kernel's tail
-  pdl_trigger();
 
+  // Before the PDL wait, what no kernel of the step writes (kernel_utils.cuh), so that it overlaps
+  // the kernel before: the head's cache row (slots, positions and the page table are step inputs),
+  // this lane's norm weights and the rotation's cos / sin at the token's position. x, that kernel's
+  // output, is read after the wait.
   // token * heads + h
   const int64_t head = (int64_t(blockIdx.x) - batch.block_begin[item]) * kRopeWarpsPerBlock + threadIdx.x / kWarp;
-  if (head >= int64_t(p.num_tokens) * p.num_heads) return;  // the whole warp leaves together
+  const bool live = head < int64_t(p.num_tokens) * p.num_heads;  // the same for the whole warp
   const int lane = threadIdx.x % kWarp;
-  __nv_bfloat16* v = p.x + head * hd;  // [T, heads, hd] contiguous: head (t, h) starts at (t*heads + h)*hd
   const int64_t t = head / p.num_heads;
-
   // The cache store: head (t, h) goes to pool row r of the cache at r*heads*hd + h*hd, i.e. head
-  // h of token t's row. Looked up first, so the slot and page loads overlap the norm below.
+  // h of token t's row.
   size_t cache_offset = 0;
-  if (p.cache != nullptr || p.copy != nullptr) {
+  if (live && (p.cache != nullptr || p.copy != nullptr)) {
     const size_t row = batch.store.pages.row(batch.store.seq_slots[t], p.positions[t]);
     cache_offset = (row * size_t(p.num_heads) + size_t(head - t * p.num_heads)) * size_t(hd);
   }
+  float wa[kMaxPairsPerLane] = {}, wb[kMaxPairsPerLane] = {}, wc[kMaxPassPerLane] = {};
+  float sn[kMaxPairsPerLane] = {}, cs[kMaxPairsPerLane] = {};
+  if (live) {
+    const float pos = float(p.positions[t]);
+#pragma unroll
+    for (int k = 0; k < kMaxPairsPerLane; ++k) {
+      const int i = lane + kWarp * k;
+      if (i < half) {
+        wa[k] = __ldg(&p.weight[i]);
+        wb[k] = __ldg(&p.weight[i + half]);
+        sincosf(pos * inv_freq[i], &sn[k], &cs[k]);
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kMaxPassPerLane; ++k) {
+      const int j = rd + lane + kWarp * k;
+      if (j < hd) wc[k] = __ldg(&p.weight[j]);
+    }
+  }
+  pdl_wait();
+  pdl_trigger();
+  if (!live) return;  // the whole warp leaves together
+
+  __nv_bfloat16* v = p.x + head * hd;  // [T, heads, hd] contiguous: head (t, h) starts at (t*heads + h)*hd
   __nv_bfloat16* cache_head = p.cache != nullptr ? p.cache + cache_offset : nullptr;
 
   float a[kMaxPairsPerLane], b[kMaxPairsPerLane], c[kMaxPassPerLane];
@@ -156,17 +199,15 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kern
         reinterpret_cast<const uint4*>(p.copy + head * hd)[lane];
   ss = warp_sum(ss);
   const float inv = 1.f / sqrtf(ss / float(hd) + p.eps);
-  const float pos = float(p.positions[t]);
 
 #pragma unroll
   for (int k = 0; k < kMaxPairsPerLane; ++k) {
     const int i = lane + kWarp * k;
     if (i < half) {
-      const float an = a[k] * inv * (1.f + __ldg(&p.weight[i]));
-      const float bn = b[k] * inv * (1.f + __ldg(&p.weight[i + half]));
-      float s, co;
-      sincosf(pos * inv_freq[i], &s, &co);
-      const __nv_bfloat16 ya = __float2bfloat16_rn(an * co - bn * s), yb = __float2bfloat16_rn(bn * co + an * s);
+      const float an = a[k] * inv * (1.f + wa[k]);
+      const float bn = b[k] * inv * (1.f + wb[k]);
+      const __nv_bfloat16 ya = __float2bfloat16_rn(an * cs[k] - bn * sn[k]);
+      const __nv_bfloat16 yb = __float2bfloat16_rn(bn * cs[k] + an * sn[k]);
       v[i] = ya;
       v[i + half] = yb;
       if (cache_head != nullptr) {
@@ -179,7 +220,7 @@ __global__ void __launch_bounds__(kRopeWarpsPerBlock* kWarp) head_norm_rope_kern
   for (int k = 0; k < kMaxPassPerLane; ++k) {
     const int j = rd + lane + kWarp * k;
     if (j < hd) {
-      const __nv_bfloat16 y = __float2bfloat16_rn(c[k] * inv * (1.f + __ldg(&p.weight[j])));
+      const __nv_bfloat16 y = __float2bfloat16_rn(c[k] * inv * (1.f + wc[k]));
       v[j] = y;
       if (cache_head != nullptr) cache_head[j] = y;
     }
