@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,8 +18,10 @@
 #include "backends/cuda/gemv.cuh"
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
+#include "model/presets.h"
 #include "test_util.h"
 
 namespace tpmoe {
@@ -289,30 +292,75 @@ TEST(CudaGemv, DeclinesWhatItCannotRead) {
 namespace tpmoe {
 namespace {
 
-// A layer's projections of one input (q, k, v and the indexer's q and k of a narrow rank), their
-// weights once back to back in one buffer (as DeviceWeights places them) and once apart, with a gap
-// between: the same outputs within the bf16 tolerance of the CPU oracle either way, every element
-// written, and as a recorded step the joined form takes fewer launches (one matmul and the column
-// split, against one matmul each and cuBLASLt's split-k reductions). Batch 3 is the GEMV's
-// (one launch either way), 9 and 16 the split-k grouped GEMM's, 17 and 64 cuBLASLt's.
-TEST(CudaOpsLinears, WeightsBackToBackRunAsOneMatmulWithTheSameOutputs) {
-  TPMOE_REQUIRE_GPU();
-  const int K = 1024;
-  const std::vector<int> widths = {512, 64, 64, 64, 64};
+// Weights of one format on the device, twice: back to back in one buffer (as DeviceWeights places a
+// layer's projections; MXFP8 scales back to back in another) and apart, a gap after each part.
+struct JoinedAndApart {
+  std::vector<float> values;  // what the weights hold, [rows, K] (MXFP8: dequantized)
+  std::unique_ptr<test::DeviceBuffer<uint8_t>> together, together_scale, apart, apart_scale;
+  std::vector<Tensor> joined_parts, apart_parts;
+};
+
+JoinedAndApart weights_both_ways(const std::vector<int>& widths, int K, bool mxfp8) {
   int rows = 0;
   for (int n : widths) rows += n;
-  const std::vector<float> w = test::round_bf16(test::random_floats(size_t(rows) * K, 0.02f, 71));
-  const std::vector<__nv_bfloat16> w_bf16 = test::to_bf16(w);
-  constexpr int kGap = 128;  // elements between the weights laid apart (keeps 16-byte alignment)
-  test::DeviceBuffer<__nv_bfloat16> together(w_bf16), apart(size_t(rows) * K + widths.size() * kGap);
-  std::vector<__nv_bfloat16*> at_apart;
-  size_t row0 = 0, offset = 0;
-  for (int n : widths) {
-    at_apart.push_back(apart.get() + offset);
-    CUDA_CHECK(cudaMemcpy(at_apart.back(), w_bf16.data() + row0 * K, size_t(n) * K * 2, cudaMemcpyHostToDevice));
-    row0 += size_t(n);
-    offset += size_t(n) * K + kGap;
+  JoinedAndApart w;
+  std::vector<float> v = test::round_bf16(test::random_floats(size_t(rows) * K, 0.02f, 71));
+  std::vector<uint8_t> bytes, scales;
+  if (mxfp8) {
+    const auto [q, sc] = quantize_mxfp8({rows, K}, v);
+    bytes.resize(q.bytes.size());
+    scales.resize(sc.bytes.size());
+    std::memcpy(bytes.data(), q.bytes.data(), bytes.size());
+    std::memcpy(scales.data(), sc.bytes.data(), scales.size());
+    for (size_t i = 0; i < v.size(); ++i)
+      v[i] = fp8_e4m3_to_f32(bytes[i]) * e8m0_to_f32(scales[i / size_t(kMxfp8BlockSize)]);
+  } else {
+    const std::vector<__nv_bfloat16> b = test::to_bf16(v);
+    bytes.resize(b.size() * 2);
+    std::memcpy(bytes.data(), b.data(), bytes.size());
   }
+  w.values = v;
+  const DType dtype = mxfp8 ? DType::kF8E4M3 : DType::kBF16;
+  const size_t elem = mxfp8 ? 1 : 2;
+  constexpr size_t kGap = 256;  // bytes after each part laid apart (keeps 16-byte alignment)
+  w.together = std::make_unique<test::DeviceBuffer<uint8_t>>(bytes);
+  w.apart = std::make_unique<test::DeviceBuffer<uint8_t>>(bytes.size() + widths.size() * kGap);
+  if (mxfp8) {
+    w.together_scale = std::make_unique<test::DeviceBuffer<uint8_t>>(scales);
+    w.apart_scale = std::make_unique<test::DeviceBuffer<uint8_t>>(scales.size() + widths.size() * kGap);
+  }
+  size_t at = 0, at_scale = 0, apart_at = 0, apart_scale_at = 0;
+  for (int n : widths) {
+    const size_t part = size_t(n) * K * elem, part_scale = mxfp8 ? size_t(n) * K / kMxfp8BlockSize : 0;
+    Tensor joined = Tensor::make(w.together->get() + at, dtype, n, K),
+           apart = Tensor::make(w.apart->get() + apart_at, dtype, n, K);
+    CUDA_CHECK(cudaMemcpy(apart.data, bytes.data() + at, part, cudaMemcpyHostToDevice));
+    if (mxfp8) {
+      joined.scale = w.together_scale->get() + at_scale;
+      apart.scale = w.apart_scale->get() + apart_scale_at;
+      CUDA_CHECK(cudaMemcpy(apart.scale, scales.data() + at_scale, part_scale, cudaMemcpyHostToDevice));
+    }
+    w.joined_parts.push_back(joined);
+    w.apart_parts.push_back(apart);
+    at += part;
+    at_scale += part_scale;
+    apart_at += part + kGap;
+    apart_scale_at += part_scale + kGap;
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return w;
+}
+
+// A layer's projections of one input (q, k, v and the indexer's q and k of a narrow rank), their
+// weights once back to back and once apart: the same outputs within the bf16 tolerance of the CPU
+// oracle either way (on the values the weights hold), every element written, and as a recorded step
+// the joined form takes fewer launches (one matmul and the column split, against one matmul each and,
+// for bf16, cuBLASLt's split-k reductions). Batch 3 is the GEMV's (one launch either way); from 9
+// tokens bf16 runs the split-k grouped GEMM up to 16 and cuBLASLt beyond, MXFP8 the grouped GEMM.
+void check_joined_linears(bool mxfp8) {
+  const int K = 1024;
+  const std::vector<int> widths = {512, 64, 64, 64, 64};
+  const JoinedAndApart w = weights_both_ways(widths, K, mxfp8);
 
   cuda::CudaReserve r;
   r.max_tokens = 64;
@@ -344,13 +392,10 @@ TEST(CudaOpsLinears, WeightsBackToBackRunAsOneMatmulWithTheSameOutputs) {
       Tensor tx = ops.alloc(M, K);
       CUDA_CHECK(cudaMemcpy(tx.data, test::to_bf16(x).data(), tx.nbytes(), cudaMemcpyHostToDevice));
       std::vector<Projection> items;
-      size_t first_row = 0;
       for (size_t i = 0; i < widths.size(); ++i) {
         Tensor out = ops.alloc(M, widths[i]);
         CUDA_CHECK(cudaMemset(out.data, 0xFF, out.nbytes()));  // NaN until written
-        void* weight = joined ? static_cast<void*>(together.get() + first_row * K) : at_apart[i];
-        items.push_back({Tensor::make(weight, DType::kBF16, widths[i], K), out});
-        first_row += size_t(widths[i]);
+        items.push_back({joined ? w.joined_parts[i] : w.apart_parts[i], out});
       }
       CUDA_CHECK(cudaDeviceSynchronize());
       ops.run_step(2 * M + joined, [&] {
@@ -359,12 +404,12 @@ TEST(CudaOpsLinears, WeightsBackToBackRunAsOneMatmulWithTheSameOutputs) {
       });
       CUDA_CHECK(cudaStreamSynchronize(ops.stream()));
       launches[joined] = ops.last_step_launches();
-      first_row = 0;
+      size_t first_row = 0;
       for (size_t i = 0; i < widths.size(); ++i) {
         std::vector<float> x_host = x, want(size_t(M) * widths[i]);
         cpu::CpuOps cpu;
         cpu.linear(Tensor::make(x_host.data(), DType::kF32, M, K),
-                   Tensor::make(const_cast<float*>(w.data()) + first_row * K, DType::kF32, widths[i], K),
+                   Tensor::make(const_cast<float*>(w.values.data()) + first_row * K, DType::kF32, widths[i], K),
                    Tensor::make(want.data(), DType::kF32, M, widths[i]));
         std::vector<__nv_bfloat16> got_bf16(size_t(M) * widths[i]);
         CUDA_CHECK(cudaMemcpy(got_bf16.data(), items[i].out.data, got_bf16.size() * 2, cudaMemcpyDeviceToHost));
@@ -382,6 +427,16 @@ TEST(CudaOpsLinears, WeightsBackToBackRunAsOneMatmulWithTheSameOutputs) {
       EXPECT_EQ(launches[1], launches[0]) << "the GEMV takes both forms in one launch";
     }
   }
+}
+
+TEST(CudaOpsLinears, WeightsBackToBackRunAsOneMatmulWithTheSameOutputs) {
+  TPMOE_REQUIRE_GPU();
+  check_joined_linears(false);
+}
+
+TEST(CudaOpsLinears, Mxfp8WeightsAndScalesBackToBackRunAsOneMatmulWithTheSameOutputs) {
+  TPMOE_REQUIRE_GPU();
+  check_joined_linears(true);
 }
 
 }  // namespace

@@ -176,37 +176,50 @@ TEST(CudaModel, DevicePresetMatchesCpuPreset) {
   EXPECT_LT(step_err, kModelTolerance);
 }
 
-// DeviceWeights lays a layer's bf16 projections of the attention input (q, k, v, the indexer's q and
-// k) back to back, in the order Model::attention passes them, so that CudaOps::linears runs them as one
-// matmul (test_cuda_gemm holds that matmul to the separate ones): for a preset made on the device and
-// for host weights uploaded, at tp 1 and at rank 1 of tp 2.
+// DeviceWeights lays a layer's projections of the attention input (q, k, v, the indexer's q and k)
+// back to back, in the order Model::attention passes them (MXFP8: their scales too), so that
+// CudaOps::linears runs them as one matmul (test_cuda_gemm holds that matmul to the separate ones): for
+// a preset made on the device and for host weights uploaded, bf16 and MXFP8, at tp 1 and at rank 1 of
+// tp 2.
 TEST(CudaModel, AttentionInputProjectionsLieBackToBack) {
   TPMOE_REQUIRE_GPU();
-  const ModelConfig c = preset_config("tiny");
-  auto check = [&](const ModelWeights& w, const std::string& what) {
-    SCOPED_TRACE(what);
-    int joined = 0;
-    for (size_t l = 0; l < w.layers.size(); ++l) {
-      const AttentionWeights& a = w.layers[l].attn;
-      std::vector<const Tensor*> parts = {&a.q_proj, &a.k_proj, &a.v_proj};
-      if (!a.index_q_proj.empty()) parts.insert(parts.end(), {&a.index_q_proj, &a.index_k_proj});
-      for (size_t i = 1; i < parts.size(); ++i)
-        EXPECT_EQ(parts[i]->data, static_cast<const char*>(parts[i - 1]->data) + parts[i - 1]->nbytes())
-            << "layer " << l << ", projection " << i << " does not start where the one before it ends";
-      joined += int(parts.size());
+  for (const bool mxfp8 : {false, true}) {
+    ModelConfig c = preset_config("tiny");
+    if (mxfp8) set_mxfp8(c);
+    auto check = [&](const ModelWeights& w, const std::string& what) {
+      SCOPED_TRACE(what);
+      int parts_seen = 0;
+      for (size_t l = 0; l < w.layers.size(); ++l) {
+        const AttentionWeights& a = w.layers[l].attn;
+        std::vector<const Tensor*> parts = {&a.q_proj, &a.k_proj, &a.v_proj};
+        if (!a.index_q_proj.empty()) parts.insert(parts.end(), {&a.index_q_proj, &a.index_k_proj});
+        for (size_t i = 1; i < parts.size(); ++i) {
+          const Tensor &before = *parts[i - 1], &part = *parts[i];
+          EXPECT_EQ(part.dtype, mxfp8 ? DType::kF8E4M3 : DType::kBF16) << "layer " << l << ", projection " << i;
+          EXPECT_EQ(part.data, static_cast<const char*>(before.data) + before.nbytes())
+              << "layer " << l << ", projection " << i << " does not start where the one before it ends";
+          if (mxfp8) {
+            EXPECT_EQ(part.scale, static_cast<const char*>(before.scale) + before.nbytes() / kMxfp8BlockSize)
+                << "layer " << l << ", projection " << i << ": its scales do not follow the ones before";
+          }
+        }
+        parts_seen += int(parts.size());
+      }
+      EXPECT_EQ(parts_seen, 3 * c.num_layers + 2 * int(std::count(c.layer_types.begin(), c.layer_types.end(),
+                                                                  AttentionType::kSparse)));
+    };
+    for (const int tp : {1, 2}) {
+      const std::string what = std::string(mxfp8 ? "MXFP8" : "bf16") + ", tp " + std::to_string(tp);
+      ParallelLayout layout;
+      layout.tp = tp;
+      const FusionPlan plan = build_fusion_plan(c, layout, {});
+      const RankShard shard = RankShard::make(c, layout, tp - 1);
+      check(cuda::DeviceWeights::random_preset(c, plan, shard, 5)->weights(), "preset, " + what);
+      const io::Checkpoint ckpt =
+          io::Checkpoint::from_memory(c, random_weights(c, 5, mxfp8 ? DType::kF8E4M3 : DType::kBF16));
+      check(cuda::DeviceWeights::upload(load_rank_weights(ckpt, shard, plan, {.keep_mxfp8 = true}))->weights(),
+            "uploaded, " + what);
     }
-    EXPECT_EQ(joined, 3 * c.num_layers +
-                          2 * int(std::count(c.layer_types.begin(), c.layer_types.end(), AttentionType::kSparse)));
-  };
-  for (const int tp : {1, 2}) {
-    ParallelLayout layout;
-    layout.tp = tp;
-    const FusionPlan plan = build_fusion_plan(c, layout, {});
-    const RankShard shard = RankShard::make(c, layout, tp - 1);
-    check(cuda::DeviceWeights::random_preset(c, plan, shard, 5)->weights(), "preset, tp " + std::to_string(tp));
-    const io::Checkpoint ckpt = io::Checkpoint::from_memory(c, random_weights(c, 5));
-    check(cuda::DeviceWeights::upload(load_rank_weights(ckpt, shard, plan))->weights(),
-          "uploaded, tp " + std::to_string(tp));
   }
 }
 

@@ -401,22 +401,28 @@ bool CudaOps::gemv_params(Tensor x, std::span<const Projection> items, GemvParam
 
 namespace {
 
-// The items' weights as one [sum of rows, K] bf16 matrix, where each starts right where the one before
-// it ends (DeviceWeights places a layer's projections of the attention input so) and their outputs
-// share a dtype and fit. Anything else: false, and linear() names what does not fit.
+// The items' weights as one [sum of rows, K] matrix, where each starts right where the one before it
+// ends (MXFP8: its scales too; DeviceWeights places a layer's projections of the attention input so)
+// and their outputs share a dtype and fit. Anything else: false, and linear() names what does not fit.
 bool joined_weights(Tensor x, std::span<const Projection> items, Tensor& joined) {
   if (items.size() < 2 || items.size() > size_t(kMaxSplitColumns)) return false;
+  const DType dtype = items[0].weight.dtype;
+  const bool fp8 = dtype == DType::kF8E4M3;
+  if (dtype != DType::kBF16 && !fp8) return false;
   int64_t rows = 0;
   const auto* next = static_cast<const std::byte*>(items[0].weight.data);
+  const auto* next_scale = static_cast<const std::byte*>(items[0].weight.scale);
   for (const Projection& it : items) {
     const Tensor& w = it.weight;
-    if (w.dtype != DType::kBF16 || w.ndim != 2 || w.dim(1) != x.dim(1) || w.data != next ||
+    if (w.dtype != dtype || w.ndim != 2 || w.dim(1) != x.dim(1) || w.data != next || w.scale != next_scale ||
         it.out.dtype != items[0].out.dtype || it.out.dim(0) != x.dim(0) || it.out.dim(1) != w.dim(0))
       return false;
     rows += w.dim(0);
     next += w.nbytes();
+    if (fp8) next_scale += w.nbytes() / kMxfp8BlockSize;
   }
-  joined = Tensor::make(items[0].weight.data, DType::kBF16, rows, x.dim(1));
+  joined = Tensor::make(items[0].weight.data, dtype, rows, x.dim(1));
+  joined.scale = items[0].weight.scale;
   return true;
 }
 

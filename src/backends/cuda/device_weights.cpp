@@ -22,53 +22,64 @@ DeviceWeights::~DeviceWeights() {
 namespace {
 
 // A layer's projections of the attention input, in the order Model::attention passes them to
-// Ops::linears (q, k, v, then the indexer's q and k): what CudaOps::linears joins where they are
-// bf16 and back to back.
+// Ops::linears (q, k, v, then the indexer's q and k): what CudaOps::linears joins where they lie
+// back to back (bf16, or MXFP8 with their scales back to back too).
 std::vector<const Tensor*> attention_input_projections(const LayerWeights& l) {
   return {&l.attn.q_proj, &l.attn.k_proj, &l.attn.v_proj, &l.attn.index_q_proj, &l.attn.index_k_proj};
 }
 
 }  // namespace
 
-void DeviceWeights::place_together(const std::vector<std::pair<const Tensor*, size_t>>& slots) {
-  size_t total = 0;
-  for (const auto& [slot, bytes] : slots) {
-    if (bytes == 0 || bytes % 256 != 0) return;
-    total += bytes;
-  }
+void DeviceWeights::place_together(const std::vector<std::pair<const Tensor*, Tensor>>& slots) {
   if (slots.size() < 2) return;
-  void* p = nullptr;
-  CUDA_CHECK(cudaMalloc(&p, total));
-  allocations_.push_back(p);
-  size_t offset = 0;
-  for (const auto& [slot, bytes] : slots) {
-    placed_[slot] = {static_cast<std::byte*>(p) + offset, bytes};
-    offset += bytes;
+  const DType dtype = slots[0].second.dtype;
+  const bool fp8 = dtype == DType::kF8E4M3;
+  if (dtype != DType::kBF16 && !fp8) return;
+  size_t total = 0, total_scales = 0;
+  for (const auto& [slot, shape] : slots) {
+    const size_t bytes = size_t(shape.numel()) * dtype_size(dtype), scale_bytes = fp8 ? bytes / kMxfp8BlockSize : 0;
+    if (shape.dtype != dtype || bytes == 0 || bytes % 256 != 0 || scale_bytes % 16 != 0) return;
+    total += bytes;
+    total_scales += scale_bytes;
+  }
+  std::byte *data = nullptr, *scales = nullptr;
+  CUDA_CHECK(cudaMalloc(&data, total));
+  allocations_.push_back(data);
+  if (fp8) {
+    CUDA_CHECK(cudaMalloc(&scales, total_scales));
+    allocations_.push_back(scales);
+  }
+  for (const auto& [slot, shape] : slots) {
+    const size_t bytes = size_t(shape.numel()) * dtype_size(dtype);
+    placed_[slot] = {data, fp8 ? scales : nullptr, bytes, dtype};
+    data += bytes;
+    if (fp8) scales += bytes / kMxfp8BlockSize;
   }
 }
 
 Tensor DeviceWeights::alloc_like(const Tensor& s, DType dtype, const Tensor* slot) {
   Tensor t = s;
   t.dtype = dtype;
-  void* p = nullptr;
+  const size_t scale_bytes = dtype == DType::kF8E4M3 ? t.nbytes() / kMxfp8BlockSize : 0;  // MXFP8: E8M0, 1 per 32
+  weights_.bytes += t.nbytes() + scale_bytes;
   if (auto it = placed_.find(slot); slot != nullptr && it != placed_.end()) {
-    TPMOE_CHECK(dtype == DType::kBF16 && it->second.second == t.nbytes(),
-                "internal: a weight set aside for {} bytes of bf16 is {} bytes of {}", it->second.second, t.nbytes(),
-                dtype_name(dtype));
-    p = it->second.first;
-  } else {
-    CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes(), 1)));
-    allocations_.push_back(p);
+    const Place& at = it->second;
+    TPMOE_CHECK(at.dtype == dtype && at.bytes == t.nbytes(),
+                "internal: a weight set aside for {} bytes of {} is {} of {}", at.bytes, dtype_name(at.dtype),
+                t.nbytes(), dtype_name(dtype));
+    t.data = at.data;
+    t.scale = at.scale;
+    return t;
   }
+  void* p = nullptr;
+  CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(t.nbytes(), 1)));
+  allocations_.push_back(p);
   t.data = p;
-  weights_.bytes += t.nbytes();
   t.scale = nullptr;
-  if (dtype == DType::kF8E4M3) {  // MXFP8: the E8M0 scales, one byte per 32 elements
-    const size_t scale_bytes = t.nbytes() / kMxfp8BlockSize;
-    CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(scale_bytes, 1)));
+  if (scale_bytes > 0) {
+    CUDA_CHECK(cudaMalloc(&p, scale_bytes));
     allocations_.push_back(p);
     t.scale = p;
-    weights_.bytes += scale_bytes;
   }
   return t;
 }
@@ -79,17 +90,17 @@ std::unique_ptr<DeviceWeights> DeviceWeights::upload(const ModelWeights& host_in
   std::vector<Tensor*> src;
   for_each_tensor(host, [&](Tensor& t) { src.push_back(&t); });
   d->weights_.layers.resize(host.layers.size());
-  for (size_t l = 0; l < host.layers.size(); ++l) {  // bf16 on the device: matrices that are not MXFP8
+  for (size_t l = 0; l < host.layers.size(); ++l) {  // as they will be on the device: MXFP8 kept, else bf16
     const std::vector<const Tensor*> from = attention_input_projections(host.layers[l]),
                                      to = attention_input_projections(d->weights_.layers[l]);
-    std::vector<std::pair<const Tensor*, size_t>> together;
-    bool bf16 = true;
+    std::vector<std::pair<const Tensor*, Tensor>> together;
     for (size_t k = 0; k < from.size(); ++k) {
       if (from[k]->empty()) continue;
-      bf16 = bf16 && from[k]->dtype != DType::kF8E4M3 && from[k]->ndim == 2;
-      together.push_back({to[k], size_t(from[k]->numel()) * 2});
+      Tensor shape = *from[k];
+      shape.dtype = shape.dtype == DType::kF8E4M3 ? DType::kF8E4M3 : DType::kBF16;
+      together.push_back({to[k], shape});
     }
-    if (bf16) d->place_together(together);
+    d->place_together(together);
   }
   size_t i = 0;
   for_each_tensor(d->weights_, [&](Tensor& dst) {
@@ -137,18 +148,14 @@ std::unique_ptr<DeviceWeights> DeviceWeights::random_preset(const ModelConfig& c
   w.layers.resize(size_t(c.num_layers));
   const std::vector<WeightEntry> table = rank_weight_table(c, shard, plan);
   auto quantized_entry = [&](const WeightEntry& e) { return mxfp8 && preset_mxfp8_quantized(e.blocks.front().source); };
-  for (const LayerWeights& layer : w.layers) {  // the bf16 projections of its attention input, back to back
-    std::vector<std::pair<const Tensor*, size_t>> together;
-    bool bf16 = true;
+  for (const LayerWeights& layer : w.layers) {  // the projections of its attention input, back to back
+    std::vector<std::pair<const Tensor*, Tensor>> together;
     for (const Tensor* slot : attention_input_projections(layer))
       for (const WeightEntry& e : table)
-        if (&e.slot(w) == slot) {
-          int64_t n = 1;
-          for (int64_t d : e.shape) n *= d;
-          bf16 = bf16 && !quantized_entry(e) && !e.vector;
-          together.push_back({slot, size_t(n) * 2});
-        }
-    if (bf16) d->place_together(together);
+        if (&e.slot(w) == slot && e.shape.size() == 2)
+          together.push_back({slot, Tensor::make(nullptr, quantized_entry(e) ? DType::kF8E4M3 : DType::kBF16,
+                                                 e.shape[0], e.shape[1])});
+    d->place_together(together);
   }
   for (const WeightEntry& e : table) {
     const bool quantized = quantized_entry(e);

@@ -1,8 +1,9 @@
 // One rank's weights in GPU memory: bf16 matrices (MXFP8 ones kept as e4m3 + E8M0 scales), fp32 vectors, the same
 // ModelWeights structure the forward reads on the CPU. Either uploaded from host weights (a checkpoint) or, for
 // presets, generated straight on the device (a full-width MiniMax-M3 layer is ~15 GB: no file, no host copy).
-// A layer's bf16 projections of the attention input (q, k, v, the indexer's q and k) lie back to back in one
-// allocation, in that order, so that CudaOps::linears can run them as one matmul.
+// A layer's projections of the attention input (q, k, v, the indexer's q and k) lie back to back in one
+// allocation, in that order (MXFP8: their scales too, in another), so that CudaOps::linears can run them as one
+// matmul.
 #pragma once
 
 #include <cstdint>
@@ -32,15 +33,23 @@ class DeviceWeights {
 
  private:
   DeviceWeights() = default;
-  // Device memory for the tensor that goes into `slot` (a tensor of weights_), of shape_of's shape:
-  // its place among the slots place_together set aside, or an allocation of its own.
+  // Device memory for the tensor that goes into `slot` (a tensor of weights_), of shape_of's shape
+  // (and MXFP8 scales): its place among the slots place_together set aside, or allocations of its own.
   Tensor alloc_like(const Tensor& shape_of, DType dtype, const Tensor* slot = nullptr);
-  // One allocation for the slots, back to back in the order given (each of the bytes given). Only
-  // where every size keeps the next slot 256-byte aligned, as an allocation of its own would be.
-  void place_together(const std::vector<std::pair<const Tensor*, size_t>>& slots);
+  // One allocation for the slots (shapes and device dtypes given, all bf16 or all MXFP8), back to back
+  // in the order given, and for MXFP8 one more for their scales, back to back too. Only where every
+  // size keeps the next slot 256-byte aligned, as an allocation of its own would be (scales: 16-byte,
+  // what the kernels' vector loads need; an index key head's scales at K 128 are 128 bytes).
+  void place_together(const std::vector<std::pair<const Tensor*, Tensor>>& slots);
+  struct Place {
+    void* data;
+    void* scale;  // MXFP8
+    size_t bytes;
+    DType dtype;
+  };
   ModelWeights weights_;
   std::vector<void*> allocations_;
-  std::map<const Tensor*, std::pair<void*, size_t>> placed_;  // slot -> its place and bytes
+  std::map<const Tensor*, Place> placed_;
 };
 
 }  // namespace tpmoe::cuda
