@@ -14,6 +14,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backends/cpu/cpu_ops.h"
@@ -611,6 +612,102 @@ TEST(StopMatcher, Utf8) {
   EXPECT_EQ(m.matched(), 1);
   StopMatcher n({"。"});
   EXPECT_EQ(feed_all(n, {"\xe3\x80", "x", "\xe3", "\x80\x82", "y"}), "\xe3\x80x");
+}
+
+// What StopMatcher promises, computed the plain way: after each piece, the earliest-starting complete
+// stop string in the text not yet emitted (the first listed on a tie) ends it; otherwise everything
+// is emitted but the longest tail that is a proper prefix of some stop string. Quadratic, for tests.
+class NaiveStopMatcher {
+ public:
+  explicit NaiveStopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {}
+  std::string feed(std::string_view piece) {
+    if (stopped_) return {};
+    held_.append(piece);
+    size_t first = std::string::npos;
+    for (size_t i = 0; i < stops_.size(); ++i) {
+      const size_t at = held_.find(stops_[i]);
+      if (at < first) first = at, matched_ = int(i);
+    }
+    if (first != std::string::npos) {
+      stopped_ = true;
+      std::string out = held_.substr(0, first);
+      held_.clear();
+      return out;
+    }
+    size_t keep = 0;
+    for (const auto& s : stops_)
+      for (size_t len = std::min(s.size() - 1, held_.size()); len > keep; --len)
+        if (held_.compare(held_.size() - len, len, s, 0, len) == 0) keep = len;
+    std::string out = held_.substr(0, held_.size() - keep);
+    held_.erase(0, held_.size() - keep);
+    return out;
+  }
+  bool stopped() const { return stopped_; }
+  int matched() const { return matched_; }
+  size_t held_bytes() const { return held_.size(); }
+
+ private:
+  std::vector<std::string> stops_;
+  std::string held_;
+  bool stopped_ = false;
+  int matched_ = -1;
+};
+
+// Random stop strings and texts over a 3-letter alphabet (so that partial and overlapping matches
+// are everywhere), cut into random pieces: the automaton gives what the plain search gives, piece by
+// piece, including the held-back tail and which stop matched.
+TEST(StopMatcher, EqualsThePlainSearchOnRandomText) {
+  std::mt19937 rng(2026);
+  auto word = [&](size_t max_len) {
+    std::string w(1 + rng() % max_len, 'a');
+    for (char& c : w) c = char('a' + rng() % 3);
+    return w;
+  };
+  int stopped = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::vector<std::string> stops(1 + rng() % 4);
+    for (auto& s : stops) s = word(trial % 2 ? 6 : 12);
+    StopMatcher m(stops);
+    NaiveStopMatcher naive(stops);
+    const std::string text = word(80);
+    for (size_t at = 0; at < text.size() && !naive.stopped();) {
+      const size_t len = std::min(text.size() - at, size_t(1 + rng() % 5));
+      const std::string_view piece = std::string_view(text).substr(at, len);
+      ASSERT_EQ(m.feed(piece), naive.feed(piece)) << "trial " << trial << " at byte " << at;
+      ASSERT_EQ(m.held_bytes(), naive.held_bytes()) << "trial " << trial;
+      at += len;
+    }
+    ASSERT_EQ(m.stopped(), naive.stopped()) << "trial " << trial;
+    ASSERT_EQ(m.matched(), naive.matched()) << "trial " << trial;
+    stopped += m.stopped();
+  }
+  EXPECT_GT(stopped, 300) << "too few trials reached a stop string to test the cut";
+  EXPECT_LT(stopped, 2700) << "too few trials ran to the end of their text";
+}
+
+// A long stop string that the text keeps almost completing (the old search cost the stop's length,
+// squared, every piece: this took minutes; the automaton, a few milliseconds of a test).
+TEST(StopMatcher, LongSelfOverlappingStop) {
+  const std::string stop = std::string(100000, 'a') + "b";
+  StopMatcher m({stop});
+  std::string out;
+  for (int i = 0; i < 30000; ++i) out += m.feed("aaaaaaa");  // 210000 bytes, 7 a piece
+  EXPECT_EQ(out, std::string(210000 - 100000, 'a'));         // all but what may still start the stop
+  EXPECT_EQ(m.held_bytes(), 100000u);
+  EXPECT_EQ(m.feed("ab"), "a");  // the stop starts one byte into the held tail
+  EXPECT_TRUE(m.stopped());
+}
+
+TEST(StopLimits, TooManyStopsAreAnError) {
+  SamplingParams sp;
+  sp.stop.assign(kMaxStopStrings, "x");
+  sp.stop_token_ids.assign(kMaxStopTokenIds, 1);
+  EXPECT_NO_THROW(sp.validate(10));
+  sp.stop.push_back("y");
+  EXPECT_THROW(sp.validate(10), Error);
+  sp.stop.pop_back();
+  sp.stop_token_ids.push_back(2);
+  EXPECT_THROW(sp.validate(10), Error);
 }
 
 TEST(StopTokens, Checks) {

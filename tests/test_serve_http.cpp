@@ -283,6 +283,14 @@ TEST_F(ServeHttp, BadRequestsGetErrorsAndTheServerStaysUp) {
   expect_error(post("/v1/completions", {{"prompt", {1, kVocab}}}), 400, "id outside the vocabulary");
   expect_error(post("/v1/completions", {{"prompt", ""}}), 400, "empty prompt");
   expect_error(post("/v1/completions", {{"prompt", "x"}, {"stop_token_ids", {kVocab + 5}}}), 400, "stop id");
+  EXPECT_EQ(expect_error(post("/v1/completions",
+                              {{"prompt", "x"}, {"stop", std::vector<std::string>(kMaxStopStrings + 1, "x")}}),
+                         400, "too many stop strings")["error"]["param"],
+            "stop");
+  EXPECT_EQ(expect_error(post("/v1/completions",
+                              {{"prompt", "x"}, {"stop_token_ids", std::vector<int>(kMaxStopTokenIds + 1, 1)}}),
+                         400, "too many stop token ids")["error"]["param"],
+            "stop_token_ids");
   expect_error(post("/v1/chat/completions", {{"messages", {{{"role", "robot"}, {"content", "x"}}}}}), 400,
                "a role the template refuses");
   // What only the scheduler knows can never run: its message, as a 400.

@@ -17,6 +17,7 @@
 //      and whatever else shares the batch).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -27,6 +28,12 @@ namespace tpmoe {
 // Temperatures below this are greedy (vLLM's _SAMPLING_EPS): logits / 1e-6 overflows and the draw
 // would be the argmax anyway.
 inline constexpr float kGreedyTemperature = 1e-5f;
+
+// Bounds on a request's stop conditions, each checked every generated token (OpenAI's API takes up
+// to 4 stop strings; these leave room for clients that send more without letting one request make
+// every token cost a scan of millions).
+inline constexpr size_t kMaxStopStrings = 64;
+inline constexpr size_t kMaxStopTokenIds = 1024;
 
 struct SamplingParams {
   float temperature = 0;         // 0: greedy

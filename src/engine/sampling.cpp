@@ -26,7 +26,11 @@ void SamplingParams::validate(int vocab_size) const {
   TPMOE_CHECK(std::isfinite(frequency_penalty) && frequency_penalty >= -2 && frequency_penalty <= 2,
               "sampling: frequency_penalty must be in [-2, 2] (0: off), got {}", frequency_penalty);
   TPMOE_CHECK(max_tokens >= 1, "sampling: max_tokens must be at least 1, got {}", max_tokens);
+  TPMOE_CHECK(stop.size() <= kMaxStopStrings, "sampling: stop strings: {} given, at most {}", stop.size(),
+              kMaxStopStrings);
   for (size_t i = 0; i < stop.size(); ++i) TPMOE_CHECK(!stop[i].empty(), "sampling: stop string {} is empty", i);
+  TPMOE_CHECK(stop_token_ids.size() <= kMaxStopTokenIds, "sampling: stop token ids: {} given, at most {}",
+              stop_token_ids.size(), kMaxStopTokenIds);
   for (int32_t id : stop_token_ids) {
     TPMOE_CHECK(id >= 0, "sampling: stop token id {} is negative", id);
     TPMOE_CHECK(vocab_size <= 0 || id < vocab_size, "sampling: stop token id {} outside the vocabulary (size {})", id,
@@ -128,22 +132,52 @@ FinishReason check_token_stop(const SamplingParams& params, int32_t token, std::
   return FinishReason::kNone;
 }
 
-StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)) {
+StopMatcher::StopMatcher(std::vector<std::string> stops) : stops_(std::move(stops)), matched_len_(stops_.size(), 0) {
   for (size_t i = 0; i < stops_.size(); ++i) TPMOE_CHECK(!stops_[i].empty(), "stop string {} is empty", i);
+  // Each stop string's failure function (Knuth-Morris-Pratt): border_[offset_[i] + q] is the
+  // length of the longest proper prefix of its first q + 1 bytes that is also their suffix.
+  offset_.resize(stops_.size());
+  for (size_t i = 0; i < stops_.size(); ++i) {
+    const std::string& s = stops_[i];
+    offset_[i] = border_.size();
+    border_.resize(border_.size() + s.size(), 0);
+    uint32_t* b = border_.data() + offset_[i];
+    for (size_t q = 1, k = 0; q < s.size(); ++q) {
+      while (k > 0 && s[q] != s[k]) k = b[k - 1];
+      if (s[q] == s[k]) ++k;
+      b[q] = uint32_t(k);
+    }
+  }
 }
 
 std::string StopMatcher::feed(std::string_view piece) {
   if (stopped_) return {};
+  // Invariants: matched_len_[i] is the longest prefix of stop i that ends the text so far (never
+  // the whole of it), no stop string starts in text already emitted, and held_ is the longest tail
+  // of the text that some stop string may still complete. So every occurrence that completes in
+  // this piece starts in held_ + piece; the earliest-starting one wins (the first listed on a tie).
+  // Each byte advances each stop's match once (amortised), so a piece costs its length times the
+  // number of stop strings, whatever their lengths.
+  const size_t base = held_.size();
   held_.append(piece);
-  // Invariant: no stop string starts in text already emitted, and none lies complete in held_
-  // before this piece. So the first complete occurrence, if any, is in held_ now.
   size_t first = std::string::npos;
   for (size_t i = 0; i < stops_.size(); ++i) {
-    const size_t at = held_.find(stops_[i]);
-    if (at < first) {
-      first = at;
-      matched_ = int(i);
+    const std::string& s = stops_[i];
+    const uint32_t* b = border_.data() + offset_[i];
+    size_t q = matched_len_[i];
+    for (size_t j = 0; j < piece.size(); ++j) {
+      while (q > 0 && piece[j] != s[q]) q = b[q - 1];
+      if (piece[j] == s[q]) ++q;
+      if (q == s.size()) {  // the first occurrence of s: it starts at held_[base + j + 1 - q]
+        const size_t at = base + j + 1 - q;
+        if (at < first) {
+          first = at;
+          matched_ = int(i);
+        }
+        break;
+      }
     }
+    matched_len_[i] = q;
   }
   if (first != std::string::npos) {
     stopped_ = true;
@@ -151,18 +185,9 @@ std::string StopMatcher::feed(std::string_view piece) {
     held_.clear();
     return out;
   }
-  // Hold back the longest tail of held_ that is a proper prefix of some stop string: it may still
-  // become one. Everything before it can never be part of a match.
-  size_t keep = 0;
-  for (const auto& s : stops_) {
-    const size_t max_len = std::min(s.size() - 1, held_.size());
-    for (size_t len = max_len; len > keep; --len) {
-      if (held_.compare(held_.size() - len, len, s, 0, len) == 0) {
-        keep = len;
-        break;
-      }
-    }
-  }
+  // Hold back the longest tail that is a proper prefix of some stop string: it may still become
+  // one. Everything before it can never be part of a match.
+  const size_t keep = matched_len_.empty() ? 0 : *std::max_element(matched_len_.begin(), matched_len_.end());
   std::string out = held_.substr(0, held_.size() - keep);
   held_.erase(0, held_.size() - keep);
   return out;

@@ -89,7 +89,10 @@ FinishReason check_token_stop(const SamplingParams& params, int32_t token, std::
 // stopped() is true, the text before it has been returned, and the stop string and all later text
 // are dropped. flush() returns the held-back tail when generation ends for another reason.
 // Matching is on bytes (UTF-8 in, UTF-8 out: a stop string starts on a character boundary, so the
-// cut is on one too); the earliest-starting stop string wins.
+// cut is on one too); the earliest-starting stop string wins. Each stop string is matched as a
+// Knuth-Morris-Pratt automaton, so a piece costs its length times the number of stop strings
+// (SamplingParams::validate bounds that number), not their lengths: a long stop string against a
+// stream that keeps almost matching it stays linear.
 class StopMatcher {
  public:
   explicit StopMatcher(std::vector<std::string> stops);
@@ -102,6 +105,9 @@ class StopMatcher {
 
  private:
   std::vector<std::string> stops_;
+  std::vector<size_t> matched_len_;  // per stop: its longest prefix that ends the text so far
+  std::vector<size_t> offset_;       // per stop: where its failure function starts in border_
+  std::vector<uint32_t> border_;     // the stops' failure functions, back to back
   std::string held_;
   bool stopped_ = false;
   int matched_ = -1;
