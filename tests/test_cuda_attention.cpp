@@ -211,8 +211,8 @@ class Harness {
     // query's position before its PDL wait, while the cache write launched just before it stores
     // the step's own rows; those rows are NaN until then (the cache's poison: a step never writes a
     // row twice), so a query row read too early shows as a non-finite output below.
-    std::vector<int32_t> page_writer(size_t(shape_.num_pages), -1);
-    const bool decode_step = step_keeps_earlier_keys(st, shape_, page_writer);
+    EarlierKeysScratch scratch(shape_.num_pages);
+    const bool decode_step = step_keeps_earlier_keys(st, shape_, scratch);
     p.decode_step = decode_step;
     cuda::launch_attention(p, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());

@@ -23,9 +23,9 @@ CacheShape shape(int max_seqs, int max_len, int page_size, int num_pages) {
 
 // step_keeps_earlier_keys with fresh scratch, which it must leave as it found it.
 bool keeps(const StepTokens& step, const CacheShape& c) {
-  std::vector<int32_t> writer(size_t(c.num_pages), -1);
-  const bool answer = step_keeps_earlier_keys(step, c, writer);
-  EXPECT_EQ(writer, std::vector<int32_t>(size_t(c.num_pages), -1)) << "the scratch was not left all -1";
+  EarlierKeysScratch scratch(c.num_pages);
+  const bool answer = step_keeps_earlier_keys(step, c, scratch);
+  EXPECT_EQ(scratch.page_writer, std::vector<int32_t>(size_t(c.num_pages), -1)) << "the scratch was not left all -1";
   return answer;
 }
 
@@ -78,6 +78,19 @@ TEST(StepKeepsEarlierKeys, AWrittenPageNamedTwiceDoesNot) {
   // Nor a written page that another slot maps only past its own position, where it reads nothing.
   const std::vector<int32_t> past = {5, 2, -1, -1, 7, 2, -1, -1};
   EXPECT_TRUE(keeps(tokens({0, 1}, {17, 3}, past), c));
+}
+
+// CudaOps keeps one scratch for every step: reused across steps of other sizes and answers, it gives
+// what fresh scratch gives.
+TEST(StepKeepsEarlierKeys, OneScratchForManySteps) {
+  const CacheShape c = shape(4, 64, 16, 16);
+  const std::vector<int32_t> shared = {5, 2, -1, -1, 2, 7, -1, -1}, past = {5, 2, -1, -1, 7, 2, -1, -1};
+  const std::vector<StepTokens> steps = {tokens({0, 1}, {17, 20}, shared), tokens({0, 1, 2, 3}, {3, 4, 5, 6}),
+                                         tokens({0, 1}, {17, 3}, past), tokens({2}, {9}), tokens({0, 0}, {1, 2})};
+  EarlierKeysScratch scratch(c.num_pages);
+  for (size_t i = 0; i < steps.size(); ++i)
+    EXPECT_EQ(step_keeps_earlier_keys(steps[i], c, scratch), keeps(steps[i], c)) << "step " << i;
+  EXPECT_EQ(scratch.page_writer, std::vector<int32_t>(size_t(c.num_pages), -1));
 }
 
 }  // namespace

@@ -38,15 +38,17 @@ void check_step_fits_cache(const StepTokens& step, const CacheShape& cache) {
   }
 }
 
-bool step_keeps_earlier_keys(const StepTokens& step, const CacheShape& cache, std::vector<int32_t>& page_writer) {
+bool step_keeps_earlier_keys(const StepTokens& step, const CacheShape& cache, EarlierKeysScratch& scratch) {
   // The step's sequences: (slot, position), one position a slot.
-  std::vector<std::pair<int32_t, int32_t>> seqs(size_t(step.num_tokens()));
+  std::vector<std::pair<int32_t, int32_t>>& seqs = scratch.seqs;
+  seqs.resize(size_t(step.num_tokens()));
   for (size_t t = 0; t < seqs.size(); ++t) seqs[t] = {step.seq_slots[t], step.positions[t]};
   std::sort(seqs.begin(), seqs.end());
   seqs.erase(std::unique(seqs.begin(), seqs.end()), seqs.end());
   for (size_t i = 1; i < seqs.size(); ++i)
     if (seqs[i].first == seqs[i - 1].first) return false;
   if (step.page_table.empty()) return true;  // slot s holds pages of its own
+  std::vector<int32_t>& page_writer = scratch.page_writer;
   TPMOE_CHECK(page_writer.size() == size_t(cache.num_pages),
               "internal: step_keeps_earlier_keys needs one scratch entry a page ({}), got {}", cache.num_pages,
               page_writer.size());

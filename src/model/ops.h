@@ -7,9 +7,11 @@
 // Shapes are validated once, when the model is built; ops trust them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "model/tensor.h"
@@ -154,10 +156,15 @@ void check_step_fits_cache(const StepTokens& step, const CacheShape& cache);
 // one position), and no page the step writes is mapped, below a token's position, in the page-table
 // row of another slot or at another place in its own. Then a backend may read those keys before the
 // step's own cache writes are done (the GPU's attention kernel does, under programmatic dependent
-// launch). `page_writer` is scratch: cache.num_pages entries, all -1, and left so. The cost is the
-// step's tokens and the pages its sequences hold below their positions, not the whole table. A step
-// that fails check_step_fits_cache may give either answer.
-bool step_keeps_earlier_keys(const StepTokens& step, const CacheShape& cache, std::vector<int32_t>& page_writer);
+// launch). The cost is the step's tokens and the pages its sequences hold below their positions, not
+// the whole table, and no allocation once `scratch` has held a step as large. A step that fails
+// check_step_fits_cache may give either answer.
+struct EarlierKeysScratch {
+  std::vector<int32_t> page_writer;               // a page each, all -1 between calls
+  std::vector<std::pair<int32_t, int32_t>> seqs;  // the step's (slot, position) pairs
+  explicit EarlierKeysScratch(int num_pages = 0) : page_writer(size_t(std::max(num_pages, 0)), -1) {}
+};
+bool step_keeps_earlier_keys(const StepTokens& step, const CacheShape& cache, EarlierKeysScratch& scratch);
 
 class Ops {
  public:

@@ -195,7 +195,7 @@ void CudaOps::init_cache(const CacheShape& shape) {
   for (auto& [key, g] : graphs_) CUDA_CHECK(cudaGraphExecDestroy(g.exec));  // they point at the old cache
   graphs_.clear();
   cache_shape_ = shape;
-  page_writer_.assign(size_t(shape.num_pages), -1);
+  earlier_keys_ = EarlierKeysScratch(shape.num_pages);
 
   const size_t rows = size_t(shape.num_pages) * size_t(shape.page_size);
   const size_t kv_bytes = rows * shape.num_kv_heads * shape.head_dim * sizeof(__nv_bfloat16);
@@ -285,7 +285,7 @@ void CudaOps::begin_step(const StepTokens& step) {
   context_bound_ = kMinContextBound;
   while (context_bound_ <= max_position) context_bound_ *= 2;
   context_bound_ = std::min(context_bound_, cache_shape_.max_len);
-  decode_step_ = step_keeps_earlier_keys(step, cache_shape_, page_writer_);
+  decode_step_ = step_keeps_earlier_keys(step, cache_shape_, earlier_keys_);
   num_tokens_ = T;
   num_logit_rows_ = R;
   arena_used_ = 0;

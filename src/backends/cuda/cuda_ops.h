@@ -216,7 +216,7 @@ class CudaOps final : public Ops {
   // The current step's step_keeps_earlier_keys (begin_step): its attention may read the keys of
   // earlier steps before the kernel that stores its own keys is done.
   bool decode_step_ = false;
-  std::vector<int32_t> page_writer_;  // step_keeps_earlier_keys' scratch, a page each (init_cache)
+  EarlierKeysScratch earlier_keys_;  // step_keeps_earlier_keys' scratch (sized by init_cache)
 };
 
 }  // namespace tpmoe::cuda
