@@ -29,7 +29,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -39,12 +38,11 @@
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/elementwise.cuh"
 #include "backends/cuda/moe.cuh"
+#include "cold_l2_timer.h"
 
 namespace {
 
 namespace cuda = tpmoe::cuda;
-
-constexpr size_t kFlushBytes = size_t(256) << 20;
 
 struct Shape {
   int N = 0, K = 0;
@@ -89,41 +87,6 @@ void fill_random(void* out, bool f32, int64_t n, uint64_t key, cudaStream_t stre
   p.key = key;
   p.stddev = 0.02f;
   cuda::launch_fill_random(p, stream);
-}
-
-// Median microseconds of `reps` replays of what `body` enqueues, recorded once as a graph, each
-// replay after an L2 flush.
-double time_graph(cudaStream_t stream, const void* flush, uint32_t* sink, int reps,
-                  const std::function<void(cudaStream_t)>& body) {
-  body(stream);  // warm-up, outside the capture
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  body(stream);
-  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  std::vector<cudaEvent_t> ev(2 * size_t(reps));
-  for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
-  CUDA_CHECK(cudaGraphLaunch(exec, stream));
-  for (int r = 0; r < reps; ++r) {
-    cuda::launch_read_stream(flush, kFlushBytes, sink, stream);
-    CUDA_CHECK(cudaEventRecord(ev[2 * r], stream));
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], stream));
-  }
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  std::vector<double> us;
-  for (int r = 0; r < reps; ++r) {
-    float ms = 0;
-    CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * r], ev[2 * r + 1]));
-    us.push_back(ms * 1e3);
-  }
-  for (auto& e : ev) cudaEventDestroy(e);
-  CUDA_CHECK(cudaGraphExecDestroy(exec));
-  CUDA_CHECK(cudaGraphDestroy(graph));
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
 }
 
 // A cuBLASLt problem laid out as Gemm lays it out (gemm.cpp: out^T = w x^T, "TN").
@@ -254,9 +217,7 @@ int run(int argc, char** argv) {
   CUBLAS_CHECK(cublasLtCreate(&handle));
   const size_t workspace_bytes = size_t(32) << 20;  // Gemm's default
   void* workspace = dalloc<char>(workspace_bytes);
-  void* flush = dalloc<char>(kFlushBytes);
-  CUDA_CHECK(cudaMemset(flush, 0x5A, kFlushBytes));
-  uint32_t* sink = dalloc<uint32_t>(cuda::read_stream_sink_words());
+  tpmoe::bench::ColdL2Timer timer(stream, tpmoe::bench::Flush::kRead, reps);
 
   std::printf("%6s %6s %4s %8s | %9s %6s | %9s %6s  %-44s | %9s | %9s | %s\n", "N", "K", "M", "floor us", "heuristic",
               "ratio", "best us", "ratio", "best candidate (rank: config)", "no-reduce", "split-k", "shape");
@@ -275,14 +236,11 @@ int run(int argc, char** argv) {
       const double floor_us = bytes / read_bw * 1e6;
       const float alpha = 1.f, beta = 0.f;
       auto time_algo = [&](const cublasLtMatmulAlgo_t& algo) {
-        return time_graph(stream, flush, sink, reps,
-                          [&](cudaStream_t s) {
-                            for (int i = 0; i < chain; ++i)
-                              CUBLAS_CHECK(cublasLtMatmul(handle, prob.desc, &alpha, w + size_t(i) * w_elems, prob.a, x,
-                                                          prob.b, &beta, out, prob.c, out, prob.c, &algo, workspace,
-                                                          workspace_bytes, s));
-                          }) /
-               chain;
+        return timer.time([&](cudaStream_t s) {
+          for (int i = 0; i < chain; ++i)
+            CUBLAS_CHECK(cublasLtMatmul(handle, prob.desc, &alpha, w + size_t(i) * w_elems, prob.a, x, prob.b, &beta,
+                                        out, prob.c, out, prob.c, &algo, workspace, workspace_bytes, s));
+        }) / chain;
       };
       const auto cands = prob.candidates(handle, workspace_bytes, count, CUBLASLT_REDUCTION_SCHEME_MASK);
       require(!cands.empty(), "cuBLASLt has no algorithm for this shape");
@@ -292,14 +250,11 @@ int run(int argc, char** argv) {
       const auto no_reduce = prob.candidates(handle, workspace_bytes, 1,
                                              CUBLASLT_REDUCTION_SCHEME_NONE | CUBLASLT_REDUCTION_SCHEME_INPLACE);
       const double no_reduce_us = no_reduce.empty() ? -1 : time_algo(no_reduce[0].algo);
-      const double ours_us =
-          time_graph(stream, flush, sink, reps,
-                     [&](cudaStream_t s) {
-                       for (int i = 0; i < chain; ++i)
-                         cuda::launch_bf16_linear({x, w + size_t(i) * w_elems, out, sh.out_f32, M, sh.N, sh.K},
-                                                  cuda::KernelStream(s, false));
-                     }) /
-          chain;
+      const double ours_us = timer.time([&](cudaStream_t s) {
+        for (int i = 0; i < chain; ++i)
+          cuda::launch_bf16_linear({x, w + size_t(i) * w_elems, out, sh.out_f32, M, sh.N, sh.K},
+                                   cuda::KernelStream(s, false));
+      }) / chain;
       const std::string best_cfg = std::to_string(best) + ": " + describe(cands[best].algo);
       std::printf("%6d %6d %4d %8.2f | %9.2f %6.2f | %9.2f %6.2f  %-44s | %9.2f | %9.2f | %s\n", sh.N, sh.K, M,
                   floor_us, us[0], us[0] / floor_us, us[best], us[best] / floor_us, best_cfg.c_str(), no_reduce_us,
@@ -317,8 +272,6 @@ int run(int argc, char** argv) {
     cudaFree(out);
   }
   cudaFree(workspace);
-  cudaFree(flush);
-  cudaFree(sink);
   cublasLtDestroy(handle);
   CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;

@@ -31,7 +31,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -45,6 +44,7 @@
 #include "backends/cuda/gemm.h"
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/mxfp8.cuh"
+#include "cold_l2_timer.h"
 #include "tpmoe/tpmoe.h"
 
 namespace {
@@ -61,13 +61,14 @@ void fill_random(void* out, bool f32, int64_t n, uint64_t seed, uint64_t key, fl
   tpmoe::cuda::launch_fill_random(p, stream);
 }
 
+using tpmoe::bench::ColdL2Timer;
+using tpmoe::bench::Flush;
 using tpmoe::cuda::Gemm;
 
 constexpr int kHidden = 6144;
 constexpr int kExperts = 128;
 constexpr int kTopK = 4;
 constexpr int kRows = kExperts + 1;  // + the fused shared expert
-constexpr size_t kFlushBytes = size_t(256) << 20;
 
 template <class T>
 T* dalloc(size_t n) {
@@ -75,55 +76,6 @@ T* dalloc(size_t n) {
   CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(n, 1) * sizeof(T)));
   return static_cast<T*>(p);
 }
-
-// How the L2 is emptied before each timed replay (see the top of the file).
-enum class Flush { kRead, kMemset };
-
-struct Timer {
-  cudaStream_t stream;
-  void* flush;
-  uint32_t* sink;  // launch_read_stream's
-  Flush how;
-  int reps;
-  void flush_l2(int r) {
-    if (how == Flush::kRead)
-      tpmoe::cuda::launch_read_stream(flush, kFlushBytes, sink, stream);
-    else
-      CUDA_CHECK(cudaMemsetAsync(flush, r & 0xff, kFlushBytes, stream));
-  }
-  // Median microseconds of `reps` replays of a graph, each after an L2 flush.
-  double time(const std::function<void(cudaStream_t)>& body) {
-    body(stream);  // warm-up (also builds cuBLASLt plans outside the capture)
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-    body(stream);
-    CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    std::vector<cudaEvent_t> ev(2 * size_t(reps));
-    for (auto& e : ev) CUDA_CHECK(cudaEventCreate(&e));
-    CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    for (int r = 0; r < reps; ++r) {
-      flush_l2(r);
-      CUDA_CHECK(cudaEventRecord(ev[2 * r], stream));
-      CUDA_CHECK(cudaGraphLaunch(exec, stream));
-      CUDA_CHECK(cudaEventRecord(ev[2 * r + 1], stream));
-    }
-    CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::vector<double> us;
-    for (int r = 0; r < reps; ++r) {
-      float ms = 0;
-      CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * r], ev[2 * r + 1]));
-      us.push_back(ms * 1e3);
-    }
-    for (auto& e : ev) cudaEventDestroy(e);
-    CUDA_CHECK(cudaGraphExecDestroy(exec));
-    CUDA_CHECK(cudaGraphDestroy(graph));
-    std::sort(us.begin(), us.end());
-    return us[us.size() / 2];
-  }
-};
 
 // One column of the table: "-" where nothing was measured (an MXFP8 run has no unfused or cuBLASLt
 // layer; the stream has no column past the gate_up prefix), not "nan".
@@ -190,9 +142,8 @@ int main(int argc, char** argv) {
 
     cudaStream_t stream;
     CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    void* flush = dalloc<uint8_t>(kFlushBytes);
-    auto* sink = dalloc<uint32_t>(tpmoe::cuda::read_stream_sink_words());
-    Timer timer{stream, flush, sink, flush_how, reps};
+    ColdL2Timer timer(stream, flush_how, reps);
+    uint32_t* sink = timer.sink();
     Gemm gemm;
     const tpmoe::cuda::MoeTuning defaults;
 
@@ -432,8 +383,6 @@ int main(int argc, char** argv) {
                             {"rows", rows}};
       std::ofstream(json_path) << doc.dump(2) << "\n";
     }
-    CUDA_CHECK(cudaFree(flush));
-    CUDA_CHECK(cudaFree(sink));
     CUDA_CHECK(cudaStreamDestroy(stream));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_moe: %s\n", e.what());
