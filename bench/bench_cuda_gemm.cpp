@@ -203,6 +203,7 @@ int run(int argc, char** argv) {
                                "[--chain L] [--reps R] [--all]");
   }
   require(count >= 1 && chain >= 1 && reps >= 1, "--candidates, --chain and --reps must be at least 1");
+  require(!tokens.empty() && !shapes.empty(), "--tokens and --shapes need at least one entry each");
   for (int m : tokens) require(m >= 1, "--tokens: every count must be at least 1");
 
   cudaDeviceProp prop{};
