@@ -17,9 +17,16 @@
 // rank in the heuristic's list and its configuration (tile id, stages, split-k, reduction scheme:
 // none / inplace / compute / output type); no-reduce = the heuristic's first candidate when only
 // the schemes that need no reduction kernel (none, inplace) are allowed; split-k GEMM = tpmoe's
-// launch_bf16_linear. --all prints every candidate.
+// launch_bf16_linear; skinny = tpmoe's launch_skinny_linear with the tiling its launcher picks (row
+// warps x k splits), without and with PDL between the chain's launches (the engine launches it with
+// PDL: its first weight loads go out before it waits), and the fastest tiling of a sweep (with PDL).
+// --all prints every candidate and every tiling.
+//
+// --mxfp8: the same shapes with MXFP8 weights (e4m3 + an E8M0 scale per 32 k; cuBLASLt has none on
+// Hopper): the grouped GEMM (launch_grouped_linear) against the skinny linear; floor = FP8 bytes.
 //
 //   bench_cuda_gemm [--shapes NxK[f],...] [--tokens M,...] [--candidates C] [--chain L] [--reps R] [--all]
+//                   [--mxfp8]
 // (default shapes: one tp-8 rank of the m3 preset, then tp 4; a trailing f: fp32 output, as the router's)
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -32,12 +39,14 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backends/cuda/bandwidth.cuh"
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/elementwise.cuh"
 #include "backends/cuda/moe.cuh"
+#include "backends/cuda/skinny_linear.cuh"
 #include "cold_l2_timer.h"
 
 namespace {
@@ -178,11 +187,99 @@ std::vector<Shape> parse_shapes(const char* s) {
   return v;
 }
 
+// The skinny linear over a chain of weight copies (w_stride bytes apart; scales likewise when
+// MXFP8): the launcher's tiling, or the fastest of a sweep of tilings. Returns us a matmul.
+struct SkinnyTimes {
+  double chosen_us = 0, chosen_pdl_us = 0, best_us = 0;
+  cuda::SkinnyLinearTiling chosen, best;
+  std::vector<std::pair<cuda::SkinnyLinearTiling, double>> sweep;
+};
+SkinnyTimes time_skinny(tpmoe::bench::ColdL2Timer& timer, const cuda::SkinnyLinearParams& base, size_t w_stride,
+                        size_t scale_stride, int chain) {
+  auto time_tiling = [&](cuda::SkinnyLinearTiling tiling, bool pdl) {
+    return timer.time([&](cudaStream_t s) {
+      for (int i = 0; i < chain; ++i) {
+        cuda::SkinnyLinearParams p = base;
+        p.w = static_cast<const char*>(base.w) + size_t(i) * w_stride;
+        if (p.w_scale) p.w_scale += size_t(i) * scale_stride;
+        cuda::launch_skinny_linear(p, cuda::KernelStream(s, pdl), tiling);
+      }
+    }) / chain;
+  };
+  SkinnyTimes t;
+  if (!cuda::skinny_linear_fits(base)) {  // past 128 tokens: no skinny column
+    t.chosen_us = t.chosen_pdl_us = t.best_us = -1;
+    return t;
+  }
+  t.chosen = cuda::skinny_linear_choose(base);
+  t.chosen_us = time_tiling(t.chosen, false);
+  t.chosen_pdl_us = time_tiling(t.chosen, true);
+  t.best = t.chosen;
+  t.best_us = t.chosen_pdl_us;
+  for (int rw : {8, 4, 2, 1})
+    for (int splits : {1, 2, 3, 4, 6, 8}) {
+      const double us = time_tiling({rw, splits}, true);
+      t.sweep.push_back({{rw, splits}, us});
+      if (us < t.best_us) t.best_us = us, t.best = {rw, splits};
+    }
+  return t;
+}
+
+std::string tiling_name(cuda::SkinnyLinearTiling t) {
+  return std::to_string(t.row_warps) + "x" + std::to_string(t.k_splits);
+}
+
+void print_sweep(const SkinnyTimes& t) {
+  std::printf("    skinny tilings (row warps x k splits, us):");
+  for (const auto& [tiling, us] : t.sweep) std::printf(" %s %.2f", tiling_name(tiling).c_str(), us);
+  std::printf("\n");
+}
+
+// --mxfp8: the grouped GEMM against the skinny linear, FP8 weights (timing only: 1.0 everywhere).
+void run_mxfp8(const std::vector<Shape>& shapes, const std::vector<int>& tokens, int chain, bool all,
+               tpmoe::bench::ColdL2Timer& timer, double read_bw, cudaStream_t stream) {
+  std::printf("%6s %6s %4s %8s | %9s %6s | %9s %6s %5s | %9s %6s | %9s %6s %5s | %s\n", "N", "K", "M", "floor us",
+              "grouped", "ratio", "skinny", "ratio", "tile", "skinny+pdl", "ratio", "best", "ratio", "tile", "shape");
+  for (const Shape& sh : shapes) {
+    require(sh.K % 32 == 0, "--mxfp8: K must be a multiple of 32");
+    const int max_m = *std::max_element(tokens.begin(), tokens.end());
+    const size_t w_bytes = size_t(sh.N) * size_t(sh.K), s_bytes = w_bytes / 32;
+    auto* w = dalloc<uint8_t>(w_bytes * size_t(chain));
+    auto* sc = dalloc<uint8_t>(s_bytes * size_t(chain));
+    auto* x = dalloc<__nv_bfloat16>(size_t(max_m) * size_t(sh.K));
+    void* out = dalloc<char>(size_t(max_m) * size_t(sh.N) * (sh.out_f32 ? 4 : 2));
+    CUDA_CHECK(cudaMemsetAsync(w, 0x38, w_bytes * size_t(chain), stream));  // e4m3 1.0
+    CUDA_CHECK(cudaMemsetAsync(sc, 127, s_bytes * size_t(chain), stream));  // 2^0
+    fill_random(x, false, int64_t(max_m) * sh.K, 2, stream);
+    for (int M : tokens) {
+      const double bytes = double(w_bytes + s_bytes) + 2.0 * M * sh.K + (sh.out_f32 ? 4.0 : 2.0) * M * sh.N;
+      const double floor_us = bytes / read_bw * 1e6;
+      const double grouped_us = timer.time([&](cudaStream_t s) {
+        for (int i = 0; i < chain; ++i)
+          cuda::launch_grouped_linear(
+              {x, w + size_t(i) * w_bytes, sc + size_t(i) * s_bytes, out, sh.out_f32, M, sh.N, sh.K},
+              cuda::KernelStream(s, true));
+      }) / chain;
+      const SkinnyTimes t = time_skinny(timer, {x, w, sc, out, sh.out_f32, M, sh.N, sh.K}, w_bytes, s_bytes, chain);
+      std::printf("%6d %6d %4d %8.2f | %9.2f %6.2f | %9.2f %6.2f %5s | %9.2f %6.2f | %9.2f %6.2f %5s | %s\n", sh.N,
+                  sh.K, M, floor_us, grouped_us, grouped_us / floor_us, t.chosen_us, t.chosen_us / floor_us,
+                  tiling_name(t.chosen).c_str(), t.chosen_pdl_us, t.chosen_pdl_us / floor_us, t.best_us,
+                  t.best_us / floor_us, tiling_name(t.best).c_str(), sh.what);
+      if (all) print_sweep(t);
+      std::fflush(stdout);
+    }
+    cudaFree(w);
+    cudaFree(sc);
+    cudaFree(x);
+    cudaFree(out);
+  }
+}
+
 int run(int argc, char** argv) {
   std::vector<Shape> shapes = kDefaultShapes;
   std::vector<int> tokens = {17, 32, 64, 128};
   int count = 16, chain = 16, reps = 25;
-  bool all = false;
+  bool all = false, mxfp8 = false;
   for (int i = 1; i < argc; ++i) {
     const bool has_value = i + 1 < argc;
     if (!std::strcmp(argv[i], "--shapes") && has_value)
@@ -197,10 +294,12 @@ int run(int argc, char** argv) {
       reps = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--all"))
       all = true;
+    else if (!std::strcmp(argv[i], "--mxfp8"))
+      mxfp8 = true;
     else
       throw std::runtime_error(std::string("unknown or incomplete option '") + argv[i] +
                                "'; usage: bench_cuda_gemm [--shapes NxK[f],...] [--tokens M,...] [--candidates C] "
-                               "[--chain L] [--reps R] [--all]");
+                               "[--chain L] [--reps R] [--all] [--mxfp8]");
   }
   require(count >= 1 && chain >= 1 && reps >= 1, "--candidates, --chain and --reps must be at least 1");
   require(!tokens.empty() && !shapes.empty(), "--tokens and --shapes need at least one entry each");
@@ -219,9 +318,17 @@ int run(int argc, char** argv) {
   const size_t workspace_bytes = size_t(32) << 20;  // Gemm's default
   void* workspace = dalloc<char>(workspace_bytes);
   tpmoe::bench::ColdL2Timer timer(stream, tpmoe::bench::Flush::kRead, reps);
+  if (mxfp8) {
+    run_mxfp8(shapes, tokens, chain, all, timer, read_bw, stream);
+    cudaFree(workspace);
+    cublasLtDestroy(handle);
+    CUDA_CHECK(cudaStreamDestroy(stream));
+    return 0;
+  }
 
-  std::printf("%6s %6s %4s %8s | %9s %6s | %9s %6s  %-44s | %9s | %9s | %s\n", "N", "K", "M", "floor us", "heuristic",
-              "ratio", "best us", "ratio", "best candidate (rank: config)", "no-reduce", "split-k", "shape");
+  std::printf("%6s %6s %4s %8s | %9s %6s | %9s %6s  %-44s | %9s | %9s | %9s %9s %5s | %9s %5s | %s\n", "N", "K", "M",
+              "floor us", "heuristic", "ratio", "best us", "ratio", "best candidate (rank: config)", "no-reduce",
+              "split-k", "skinny", "+pdl", "tile", "best", "tile", "shape");
   for (const Shape& sh : shapes) {
     const int max_m = *std::max_element(tokens.begin(), tokens.end());
     const size_t w_elems = size_t(sh.N) * size_t(sh.K);
@@ -256,15 +363,19 @@ int run(int argc, char** argv) {
           cuda::launch_bf16_linear({x, w + size_t(i) * w_elems, out, sh.out_f32, M, sh.N, sh.K},
                                    cuda::KernelStream(s, false));
       }) / chain;
+      const SkinnyTimes sk = time_skinny(timer, {x, w, nullptr, out, sh.out_f32, M, sh.N, sh.K}, w_elems * 2, 0, chain);
       const std::string best_cfg = std::to_string(best) + ": " + describe(cands[best].algo);
-      std::printf("%6d %6d %4d %8.2f | %9.2f %6.2f | %9.2f %6.2f  %-44s | %9.2f | %9.2f | %s\n", sh.N, sh.K, M,
-                  floor_us, us[0], us[0] / floor_us, us[best], us[best] / floor_us, best_cfg.c_str(), no_reduce_us,
-                  ours_us, sh.what);
+      std::printf(
+          "%6d %6d %4d %8.2f | %9.2f %6.2f | %9.2f %6.2f  %-44s | %9.2f | %9.2f | %9.2f %9.2f %5s | %9.2f %5s | %s\n",
+          sh.N, sh.K, M, floor_us, us[0], us[0] / floor_us, us[best], us[best] / floor_us, best_cfg.c_str(),
+          no_reduce_us, ours_us, sk.chosen_us, sk.chosen_pdl_us, tiling_name(sk.chosen).c_str(), sk.best_us,
+          tiling_name(sk.best).c_str(), sh.what);
       if (all) {
         for (size_t i = 0; i < cands.size(); ++i)
           std::printf("    %2zu %8.2f us  %s  (workspace %zu, waves %.2f)\n", i, us[i], describe(cands[i].algo).c_str(),
                       cands[i].workspaceSize, double(cands[i].wavesCount));
         if (!no_reduce.empty()) std::printf("    no-reduce first: %s\n", describe(no_reduce[0].algo).c_str());
+        print_sweep(sk);
       }
       std::fflush(stdout);
     }

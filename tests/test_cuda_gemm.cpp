@@ -1,5 +1,6 @@
 // Dense projections through cuBLASLt (Gemm::linear), the grouped GEMM as a linear (launch_bf16_linear,
-// its k split over a cluster where the tiles are few) and the decode GEMV (launch_gemv) against the
+// its k split over a cluster where the tiles are few), the skinny linear (launch_skinny_linear, every
+// tiling) and the decode GEMV (launch_gemv) against the
 // CPU oracle's linear, at awkward shapes: batch 1, 3, 19; widths that are not multiples of the vector
 // width; bf16 and fp32 outputs. At the end, CudaOps::linears over weights that lie back to back.
 #include <gtest/gtest.h>
@@ -18,6 +19,7 @@
 #include "backends/cuda/gemv.cuh"
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
+#include "backends/cuda/skinny_linear.cuh"
 #include "core/dtype.h"
 #include "core/error.h"
 #include "cuda_test_util.h"
@@ -89,6 +91,82 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                            return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" +
                                   std::to_string(info.param.K);
                          });
+
+// ---- the skinny linear (skinny_linear.cuh): one pass over the weight for 1-128 tokens ---------------
+
+class CudaSkinnyLinear : public ::testing::TestWithParam<Shape> {};
+
+// Every tiling (row tile of 16, 32, 64 or 128 rows; k split over 1, 3 or 8 CTAs of a cluster, cut
+// down where a CTA would get no whole group of chunks) against the CPU oracle, with poisoned outputs
+// (every element must be written), and the launcher's own choice twice: the same bits every run.
+TEST_P(CudaSkinnyLinear, EveryTilingMatchesCpu) {
+  TPMOE_REQUIRE_GPU();
+  const auto [M, N, K] = GetParam();
+  const auto x = test::round_bf16(test::random_floats(size_t(M) * K, 1.0f, 13 + M));
+  const auto w = test::round_bf16(test::random_floats(size_t(N) * K, 0.02f, 31 + N));
+  std::vector<uint16_t> w_bits(w.size());
+  for (size_t i = 0; i < w.size(); ++i) w_bits[i] = f32_to_bf16(w[i]);
+  std::vector<float> x_host = x, want(size_t(M) * N);
+  cpu::CpuOps cpu;
+  cpu.linear(Tensor::make(x_host.data(), DType::kF32, M, K), Tensor::make(w_bits.data(), DType::kBF16, N, K),
+             Tensor::make(want.data(), DType::kF32, M, N));
+  test::DeviceBuffer<__nv_bfloat16> dx(test::to_bf16(x)), dw(test::to_bf16(w));
+
+  auto run = [&](bool f32, cuda::SkinnyLinearTiling tiling) {
+    test::DeviceBuffer<float> o32(size_t(M) * N);
+    test::DeviceBuffer<__nv_bfloat16> o16(size_t(M) * N);
+    const cuda::SkinnyLinearParams p{dx.get(), dw.get(), nullptr, f32 ? static_cast<void*>(o32.get()) : o16.get(),
+                                     f32,      M,        N,       K};
+    EXPECT_TRUE(cuda::skinny_linear_fits(p));
+    cuda::launch_skinny_linear(p, nullptr, tiling);
+    return f32 ? o32.download() : test::from_bf16(o16.download());
+  };
+  for (int rw : {1, 2, 4, 8})
+    for (int splits : {1, 3, 8})
+      for (bool f32 : {true, false}) {
+        const std::vector<float> got = run(f32, {rw, splits});
+        size_t not_finite = 0;
+        for (float v : got) not_finite += !std::isfinite(v);
+        const std::string what = "row warps " + std::to_string(rw) + ", k splits " + std::to_string(splits) +
+                                 (f32 ? ", out f32" : ", out bf16");
+        EXPECT_EQ(not_finite, 0u) << what << ": elements left unwritten";
+        EXPECT_LT(test::relative_l2(got, want), f32 ? kTolFp32Output : test::kTolBf16) << what;
+      }
+  EXPECT_EQ(run(true, {}), run(true, {})) << "the launcher's tiling: the same bits every run";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaSkinnyLinear,
+                         ::testing::Values(Shape{1, 8, 16}, Shape{9, 40, 2048}, Shape{17, 130, 1000},
+                                           Shape{33, 384, 6144}, Shape{64, 257, 136}, Shape{100, 72, 416},
+                                           Shape{128, 1000, 512}, Shape{65, 31, 6152}),
+                         [](const auto& info) {
+                           return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" +
+                                  std::to_string(info.param.K);
+                         });
+
+// What it cannot read it declines (and its launcher names): more than 128 tokens, K off the 8-wide
+// loads, misaligned activations, an output on top of the input.
+TEST(CudaSkinnyLinear, DeclinesWhatItCannotRead) {
+  TPMOE_REQUIRE_GPU();
+  test::DeviceBuffer<__nv_bfloat16> x(size_t(129) * 64 + 8), w(size_t(64) * 64);
+  test::DeviceBuffer<float> out(size_t(129) * 64);
+  const cuda::SkinnyLinearParams ok{x.get(), w.get(), nullptr, out.get(), true, 128, 64, 64};
+  EXPECT_TRUE(cuda::skinny_linear_fits(ok));
+  auto bad = ok;
+  bad.M = 129;
+  EXPECT_FALSE(cuda::skinny_linear_fits(bad));
+  EXPECT_THROW(cuda::launch_skinny_linear(bad, nullptr), Error);
+  bad = ok;
+  bad.K = 60;
+  EXPECT_FALSE(cuda::skinny_linear_fits(bad));
+  bad = ok;
+  bad.x = x.get() + 1;
+  EXPECT_FALSE(cuda::skinny_linear_fits(bad));
+  bad = ok;
+  bad.out = const_cast<__nv_bfloat16*>(bad.x);
+  EXPECT_FALSE(cuda::skinny_linear_fits(bad));
+  EXPECT_THROW(cuda::launch_skinny_linear(ok, nullptr, {3, 1}), Error);  // row warps not 1, 2, 4 or 8
+}
 
 }  // namespace
 }  // namespace tpmoe

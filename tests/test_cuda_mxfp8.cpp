@@ -18,6 +18,7 @@
 #include "backends/cpu/cpu_ops.h"
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/mxfp8.cuh"
+#include "backends/cuda/skinny_linear.cuh"
 #include "core/error.h"
 #include "cuda_test_util.h"
 #include "io/safetensors.h"
@@ -74,9 +75,10 @@ std::vector<float> linear_cpu(const std::vector<float>& x, const std::vector<flo
   return out;
 }
 
-// w_offset: bytes before the weights in their buffer (8: 8- but not 16-byte aligned weights).
+// w_offset: bytes before the weights in their buffer (8: 8- but not 16-byte aligned weights); grouped:
+// the grouped GEMM whatever the shape (launch_grouped_linear), else launch_fp8_linear's choice.
 std::vector<float> linear_gpu(const std::vector<float>& x, const Mx& w, int M, int N, int K, bool out_f32,
-                              size_t w_offset = 0) {
+                              size_t w_offset = 0, bool grouped = false) {
   DeviceBuffer<__nv_bfloat16> dx(to_bf16(x));
   std::vector<uint8_t> q(w_offset, 0);
   q.insert(q.end(), w.q.begin(), w.q.end());
@@ -87,15 +89,16 @@ std::vector<float> linear_gpu(const std::vector<float>& x, const Mx& w, int M, i
   p.w_scale = ds.get();
   p.M = M, p.N = N, p.K = K;
   p.out_f32 = out_f32;
+  auto launch = [&] { grouped ? cuda::launch_grouped_linear(p, nullptr) : cuda::launch_fp8_linear(p, nullptr); };
   if (out_f32) {
     DeviceBuffer<float> out(size_t(M) * N);  // poisoned
     p.out = out.get();
-    cuda::launch_fp8_linear(p, nullptr);
+    launch();
     return out.download();
   }
   DeviceBuffer<__nv_bfloat16> out(size_t(M) * N);
   p.out = out.get();
-  cuda::launch_fp8_linear(p, nullptr);
+  launch();
   return from_bf16(out.download());
 }
 
@@ -127,8 +130,11 @@ TEST(CudaMxfp8Linear, MatchesOracleAtAwkwardShapes) {
     for (bool f32 : {true, false}) {
       const std::string what = fmt::format("M={} N={} K={} out {}", s.M, s.N, s.K, f32 ? "f32" : "bf16");
       // fp32 out: only the bf16 activations' products summed in another order (the weights widen
-      // exactly); bf16 out adds one rounding.
+      // exactly); bf16 out adds one rounding. Past the GEMV's range, the grouped GEMM too (what
+      // launch_fp8_linear runs up to 128 tokens is the skinny linear).
       expect_close(linear_gpu(x, w, s.M, s.N, s.K, f32), want, f32 ? 1e-5 : kTolBf16, what);
+      if (s.M > 8)
+        expect_close(linear_gpu(x, w, s.M, s.N, s.K, f32, 0, true), want, f32 ? 1e-5 : kTolBf16, what + ", grouped");
     }
   }
 }
@@ -140,20 +146,52 @@ TEST(CudaMxfp8Linear, ReadsWeightsThatAreOnlyEightByteAligned) {
   const int M = 100, N = 72, K = 416;  // the grouped GEMM; K ends in half a 64-wide chunk
   const std::vector<float> x = round_bf16(random_floats(size_t(M) * K, 1.f, 29));
   const Mx w = random_mx({N, K}, 0.02f, 31);
-  const std::vector<float> aligned = linear_gpu(x, w, M, N, K, true);
+  const std::vector<float> aligned = linear_gpu(x, w, M, N, K, true, 0, true);
   expect_close(aligned, linear_cpu(x, w.value, M, N, K), 1e-5, "16-byte aligned weights");
-  EXPECT_EQ(linear_gpu(x, w, M, N, K, true, 8), aligned) << "8-byte aligned weights";
+  EXPECT_EQ(linear_gpu(x, w, M, N, K, true, 8, true), aligned) << "8-byte aligned weights";
+  // launch_fp8_linear takes them too (the skinny linear needs 16-byte alignment, so it runs the
+  // grouped GEMM for them).
+  expect_close(linear_gpu(x, w, M, N, K, true, 8), linear_cpu(x, w.value, M, N, K), 1e-5, "launch_fp8_linear");
 }
 
 // A k split adds its CTAs' sums in a fixed order, whichever CTA of the cluster adds them: the same
-// bits every run.
+// bits every run, on the grouped GEMM and on the skinny linear.
 TEST(CudaMxfp8Linear, SplitKGivesTheSameBitsEveryRun) {
   TPMOE_REQUIRE_GPU();
   const int M = 16, N = 128, K = 6144;  // a tp-8 rank's k_proj at 16 tokens: 8 splits
   const std::vector<float> x = round_bf16(random_floats(size_t(M) * K, 1.f, 41));
   const Mx w = random_mx({N, K}, 0.02f, 43);
-  const std::vector<float> first = linear_gpu(x, w, M, N, K, true);
-  for (int run = 0; run < 3; ++run) EXPECT_EQ(linear_gpu(x, w, M, N, K, true), first) << "run " << run;
+  for (bool grouped : {true, false}) {
+    const std::vector<float> first = linear_gpu(x, w, M, N, K, true, 0, grouped);
+    for (int run = 0; run < 3; ++run)
+      EXPECT_EQ(linear_gpu(x, w, M, N, K, true, 0, grouped), first) << "run " << run << (grouped ? ", grouped" : "");
+  }
+}
+
+// The skinny linear with MXFP8 weights (launch_skinny_linear: what launch_fp8_linear runs for 9-128
+// tokens), every tiling against the oracle: 64-wide chunks, K ending in half a chunk (4128), scales
+// of every magnitude.
+TEST(CudaMxfp8Linear, SkinnyLinearMatchesOracleForEveryTiling) {
+  TPMOE_REQUIRE_GPU();
+  struct Shape {
+    int M, N, K;
+  };
+  for (const Shape s : {Shape{9, 40, 2048}, Shape{33, 72, 4128}, Shape{64, 200, 256}, Shape{128, 130, 1024}}) {
+    const std::vector<float> x = round_bf16(random_floats(size_t(s.M) * s.K, 1.f, 3 + s.M + s.K));
+    const Mx w = random_mx({s.N, s.K}, 0.02f, 17 + s.N);
+    const std::vector<float> want = linear_cpu(x, w.value, s.M, s.N, s.K);
+    DeviceBuffer<__nv_bfloat16> dx(to_bf16(x));
+    DeviceBuffer<uint8_t> dq(w.q), ds(w.s);
+    for (int rw : {1, 2, 4, 8})
+      for (int splits : {1, 3, 8}) {
+        DeviceBuffer<float> out(size_t(s.M) * s.N);  // poisoned
+        const cuda::SkinnyLinearParams p{dx.get(), dq.get(), ds.get(), out.get(), true, s.M, s.N, s.K};
+        ASSERT_TRUE(cuda::skinny_linear_fits(p));
+        cuda::launch_skinny_linear(p, nullptr, {rw, splits});
+        expect_close(out.download(), want, 1e-5,
+                     fmt::format("M={} N={} K={} row warps {} k splits {}", s.M, s.N, s.K, rw, splits));
+      }
+  }
 }
 
 // One-hot activations make out[m, n] = W[n, m] exactly: every e4m3 byte (NaN excepted) under every

@@ -11,6 +11,7 @@
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/norm.cuh"
 #include "backends/cuda/sampling.cuh"
+#include "backends/cuda/skinny_linear.cuh"
 #include "core/error.h"
 #include "model/model.h"
 #include "model/sample_batch.h"
@@ -472,14 +473,18 @@ void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
     return;
   }
   expect(weight, DType::kBF16, "linear weight");
-  if (decode_gemv_ && x.dim(0) <= kSplitKLinearMaxM) {  // a few tokens: the split-k grouped GEMM (moe.cuh)
-    launch_bf16_linear(
-        {bf16(x), bf16(weight), out.data, out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)), int(x.dim(1))},
-        kernels_);
+  const int M = int(x.dim(0)), N = int(weight.dim(0)), K = int(x.dim(1));
+  const bool f32 = out.dtype == DType::kF32;
+  if (decode_gemv_ && M <= kSplitKLinearMaxM) {  // a few tokens: the split-k grouped GEMM (moe.cuh)
+    launch_bf16_linear({bf16(x), bf16(weight), out.data, f32, M, N, K}, kernels_);
     return;
   }
-  gemm_.linear(bf16(x), bf16(weight), out.data, out.dtype == DType::kF32, int(x.dim(0)), int(weight.dim(0)),
-               int(x.dim(1)), stream_);
+  if (const SkinnyLinearParams skinny{bf16(x), weight.data, nullptr, out.data, f32, M, N, K};
+      decode_gemv_ && skinny_linear_fits(skinny)) {  // up to 128 tokens: one pass over the weight
+    launch_skinny_linear(skinny, kernels_);
+    return;
+  }
+  gemm_.linear(bf16(x), bf16(weight), out.data, f32, M, N, K, stream_);
 }
 
 void CudaOps::head_norm_rope(std::span<const HeadNormRope> items) {

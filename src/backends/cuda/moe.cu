@@ -81,6 +81,7 @@
 #include "backends/cuda/kernel_utils.cuh"
 #include "backends/cuda/moe_gemv.cuh"
 #include "backends/cuda/route_top_k.cuh"
+#include "backends/cuda/skinny_linear.cuh"
 #include "backends/cuda/weight_loads.cuh"
 
 #include <cooperative_groups.h>
@@ -1010,6 +1011,19 @@ void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on) {
     launch_gemv(gemv, on);
     return;
   }
+  if (const SkinnyLinearParams skinny{p.x, p.w, p.w_scale, p.out, p.out_f32, p.M, p.N, p.K};
+      skinny_linear_fits(skinny)) {
+    launch_skinny_linear(skinny, on);
+    return;
+  }
+  launch_grouped_linear(p, on);
+}
+
+void launch_grouped_linear(const Fp8LinearParams& p, KernelStream on) {
+  check_arg(p.M >= 0 && p.N >= 1 && p.K >= 1, "launch_grouped_linear: need M >= 0, N >= 1, K >= 1");
+  check_fp8_operands(p.w, p.w_scale, p.K, "launch_grouped_linear");
+  check_arg(p.out != static_cast<const void*>(p.x), "launch_grouped_linear: out must not alias x");
+  if (p.M == 0) return;
   // The token block as launch_moe picks it for the same number of (token, expert) pairs (larger
   // blocks measured no faster here: docs/PERF.md).
   const int block_m = p.M <= 64 ? 8 : p.M <= 128 ? 16 : 32;

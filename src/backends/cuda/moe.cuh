@@ -89,13 +89,8 @@ size_t moe_workspace_bytes(int max_tokens, int slots, int hidden, int inter, int
 void launch_moe(const MoeKernelParams& p, KernelStream on);
 
 // A linear with MXFP8 weights, out[M, N] = x[M, K] W[N, K]^T, W = e4m3(w) * 2^(w_scale - 127) per 32
-// consecutive k: the same grouped-GEMM kernel as the MoE down projection, run as one expert that
-// every token is routed to in order (no routing, no slot weights). FP8 stays in memory and is widened
-// to bf16 in registers; bf16 mma, fp32 accumulation, bf16 or fp32 out. Decode reads N*K*(1 + 1/32)
-// bytes of weights once. K % 32 == 0; any M, N. Decode-sized M (<= 8) runs the GEMV of gemv.cuh.
-// Where the token blocks times the 32-row tiles would leave most SMs idle (a few tokens against a
-// narrow N: a tp-8 rank's k_proj is 4 tiles), the k range is split over a cluster of up to 8 CTAs a
-// tile, which add their sums through distributed shared memory in a fixed order (deterministic).
+// consecutive k. FP8 stays in memory and is widened to bf16 in registers; bf16 mma, fp32
+// accumulation, bf16 or fp32 out. K % 32 == 0; any M, N.
 struct Fp8LinearParams {
   const __nv_bfloat16* x = nullptr;  // [M, K]
   const uint8_t* w = nullptr;        // [N, K] e4m3
@@ -104,7 +99,16 @@ struct Fp8LinearParams {
   bool out_f32 = false;
   int M = 0, N = 0, K = 0;
 };
+// The kernel for the shape: decode-sized M (<= 8) the GEMV of gemv.cuh, up to 128 tokens the skinny
+// linear of skinny_linear.cuh (16-byte aligned operands), anything else launch_grouped_linear.
 void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on);
+// The grouped-GEMM kernel of the MoE down projection, run as one expert that every token is routed to
+// in order (no routing, no slot weights), in token blocks of 8-32 tokens, each of which reads the
+// weight again (from L2 where it stays there). Where the token blocks times the 32-row tiles would
+// leave most SMs idle (a few tokens against a narrow N: a tp-8 rank's k_proj is 4 tiles), the k range
+// is split over a cluster of up to 8 CTAs a tile, which add their sums through distributed shared
+// memory in a fixed order (deterministic). Weights need only 8-byte alignment.
+void launch_grouped_linear(const Fp8LinearParams& p, KernelStream on);
 
 // The same grouped GEMM (split k included) for a bf16 linear, out[M, N] = x[M, K] W[N, K]^T, fp32
 // accumulation, bf16 or fp32 out, deterministic. Any M, N, K >= 1. CudaOps runs it for 9 to 16
