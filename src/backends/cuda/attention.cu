@@ -441,15 +441,6 @@ struct SplitSmem {
   }
 };
 
-// 16 bytes global -> shared without the registers (cp.async.cg: L2 only); zeros where !valid.
-__device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid) {
-  const unsigned dst = unsigned(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 // The merge of n partial softmax states of one head, in index order, as the split kernel merges both
 // its key groups (from shared memory) and its splits (from the workspace): ml(i) gives state i's
 // (m in log2 units, l), acc(i, d) its sum for this lane's head dim d. A state that saw no key (m =

@@ -81,6 +81,21 @@ void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Ke
   launch_pdl_clusters(kernel, grid, block, smem, on, 1u, std::forward<Args>(args)...);
 }
 
+// 16 bytes global -> shared without the registers (cp.async.cg: L2 only); zeros where !valid. A
+// thread's copies since its last commit form a group; wait_group<N> returns when at most N of its
+// groups are still in flight (then a barrier makes every thread's copies visible to the block).
+__device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid) {
+  const unsigned dst = unsigned(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { cp_async_wait_group<0>(); }
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);

@@ -1,12 +1,17 @@
 // The skinny linear (skinny_linear.cuh): one pass over the weight for every token of the batch.
 //
-// Inside a warp (16 weight rows g and g + 8 a lane, tokens in n-tiles of 8): a k chunk is 32 k of
-// bf16 or 64 of MXFP8, so that a lane loads 16 bytes of each of its two rows a chunk, at k = chunk *
-// kChunk + t * kChunk / 4 (t = lane % 4), as the grouped GEMM does (moe.cu). The mma's k slots take
-// those k in order, and the activations are loaded in the same order: token row g of the n-tile, the
-// same 8 (bf16) or 16 (MXFP8) k, straight from global memory through L1, where the CTA's other row
-// warps (and CTAs on the same SM) find them. A warp keeps two groups of U chunks of weight loads in
-// flight (the next group is issued before the current one is multiplied).
+// A CTA is row_warps warps, each owning 16 weight rows (g and g + 8 a lane, t = lane % 4), all
+// walking the CTA's k slice together, a stage of 128 k at a time:
+// - the weights go straight to registers, each lane 16 bytes of each of its two rows a k chunk (32 k
+//   of bf16, 64 of MXFP8: 4 or 2 chunks a stage), the next stage's loads issued before this one is
+//   multiplied, the first stage's before the PDL wait;
+// - the activations of every token for the stage's 128 k are copied to shared memory (cp.async, two
+//   buffers: the next stage's copy runs while this one is multiplied), where every warp of the CTA
+//   reads them: a first version read them from global memory inside the multiply loop, one L2 round
+//   trip after another, and ran 3-10x slower than cuBLASLt (docs/PERF.md).
+// The mma's k slots take a lane's k in order (k = chunk * kChunk + t * kChunk / 4 + j, as the grouped
+// GEMM of moe.cu), and the activations are read in the same order: token row g of the n-tile, the
+// same 8 (bf16) or 16 (MXFP8) k. A k split adds its CTAs' sums through distributed shared memory.
 #include "backends/cuda/skinny_linear.cuh"
 
 #include <cooperative_groups.h>
@@ -22,10 +27,8 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kGroupChunks = 4;  // U: k chunks a warp loads at once (two groups in flight)
-constexpr int kMaxSplits = 8;    // the portable cluster size
+constexpr int kStageK = 128;   // k a stage
+constexpr int kMaxSplits = 8;  // the portable cluster size
 
 struct KernelParams {
   const uint16_t* x = nullptr;  // [M, K] bf16 bits
@@ -34,16 +37,30 @@ struct KernelParams {
   void* out = nullptr;
   bool out_f32 = false;
   int M = 0, N = 0, K = 0;
-  int split_chunks = 0;  // k chunks a CTA of the cluster takes (the last may take fewer)
+  int split_chunks = 0;  // k chunks a CTA of the cluster takes (whole stages; the last CTA may take fewer)
 };
 
 template <bool kFp8>
 constexpr int chunk_k() {
   return kFp8 ? 64 : 32;
 }
-
-// The shared memory a CTA's reduction needs: every warp's accumulators, [kWarps][NT * 4][32] floats.
-constexpr size_t reduction_bytes(int nt) { return size_t(kWarps) * nt * 4 * 32 * sizeof(float); }
+template <bool kFp8>
+constexpr int stage_chunks() {
+  return kStageK / chunk_k<kFp8>();
+}
+// A token's 128 k of a stage in shared memory, padded so that the 8 rows one 16-byte load of a
+// quarter warp touches fall in distinct banks (bf16: 2 rows x 64 bytes, row stride = 64 mod 128;
+// MXFP8: 2 rows x 4 lanes 32 bytes apart, row stride = 16 mod 128).
+template <bool kFp8>
+constexpr int x_row_bytes() {
+  return kStageK * 2 + (kFp8 ? 16 : 64);
+}
+template <bool kFp8>
+constexpr size_t smem_bytes(int nt, int row_warps) {
+  const size_t stages = size_t(2) * nt * 8 * x_row_bytes<kFp8>();
+  const size_t reduction = size_t(row_warps) * nt * 4 * 32 * sizeof(float);
+  return stages > reduction ? stages : reduction;
+}
 
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint32_t b0, uint32_t b1) {
@@ -53,23 +70,26 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// kFp8: e4m3 weights with an E8M0 scale per 32 k. NT: n-tiles of 8 tokens (M <= 8 * NT). WM: row warps
-// (16 * WM rows a CTA); the kWarps / WM warps of a row warp's column split the CTA's chunks, U at a time.
+// kFp8: e4m3 weights with an E8M0 scale per 32 k. NT: n-tiles of 8 tokens (M <= 8 * NT). WM: warps a
+// CTA, 16 weight rows each. Resident warps an SM asked of the compiler: 16 (NT <= 8) or 8.
 template <bool kFp8, int NT, int WM>
-__global__ void __launch_bounds__(kThreads, NT <= 8 ? 2 : 1) skinny_linear_kernel(const KernelParams p) {
-  constexpr int WK = kWarps / WM;
-  constexpr int U = kGroupChunks;
+__global__ void __launch_bounds__(WM * 32, (NT <= 8 ? 16 : 8) / WM > 0 ? (NT <= 8 ? 16 : 8) / WM : 1)
+    skinny_linear_kernel(const KernelParams p) {
+  constexpr int U = stage_chunks<kFp8>();
   constexpr int kChunk = chunk_k<kFp8>();
   constexpr int kLaneK = kChunk / 4;   // consecutive k a lane loads of each row, a chunk
-  constexpr int kXWords = kLaneK / 8;  // 16-byte activation loads a lane, a chunk and n-tile
+  constexpr int kXWords = kLaneK / 8;  // 16-byte activation reads a lane, a chunk and n-tile
   constexpr int kWBytes = kFp8 ? 1 : 2;
-  extern __shared__ float red[];  // [kWarps][NT * 4][32], then the CTA's sums in its first WM slots
+  constexpr int kRowBytes = x_row_bytes<kFp8>();
+  constexpr int kRows = NT * 8;              // token rows of a stage (past M: zeros)
+  constexpr int kPieces = kStageK * 2 / 16;  // 16-byte copies a token row, a stage
+  constexpr int kStageBytes = kRows * kRowBytes;
+  extern __shared__ __align__(16) unsigned char smem[];  // two stages; after the loop, the k split's sums
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int wm = warp % WM, wk = warp / WM;
   const int K = p.K;
-  const int row0 = int(blockIdx.x) * 16 * WM + wm * 16;
+  const int row0 = int(blockIdx.x) * 16 * WM + warp * 16;
   const uint8_t* w_row[2];
   const uint8_t* s_row[2];
 #pragma unroll
@@ -81,17 +101,16 @@ __global__ void __launch_bounds__(kThreads, NT <= 8 ? 2 : 1) skinny_linear_kerne
   const int num_chunks = (K + kChunk - 1) / kChunk;
   const int c_begin = int(blockIdx.z) * p.split_chunks;
   const int c_end = min(num_chunks, c_begin + p.split_chunks);
-  const int first = c_begin + wk * U, step = WK * U;
+  const int stages = c_end > c_begin ? (c_end - c_begin + U - 1) / U : 0;
 
-  // A group: the weight loads of chunks base .. base + U - 1 (zeros past the CTA's range or past K).
-  uint4 a[U][2];
-  uint32_t s[U][2];
-  auto load_group = [&](int base, uint4(&wv)[U][2], uint32_t(&sv)[U][2]) {
+  // Stage j's weights: zeros past the CTA's chunks or past K (K % 8, MXFP8 K % 32: a lane's k are all
+  // in or all out).
+  auto load_weights = [&](int j, uint4(&wv)[U][2], uint32_t(&sv)[U][2]) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int chunk = base + u;
+      const int chunk = c_begin + j * U + u;
       const int k = chunk * kChunk + kLaneK * t;
-      const bool live = chunk < c_end && k < K;  // K % 8 (bf16) or % 32 (MXFP8): a lane's k are all in or out
+      const bool live = j < stages && chunk < c_end && k < K;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         wv[u][h] = live ? ld_weight16(reinterpret_cast<const uint16_t*>(w_row[h] + size_t(k) * kWBytes))
@@ -100,32 +119,47 @@ __global__ void __launch_bounds__(kThreads, NT <= 8 ? 2 : 1) skinny_linear_kerne
       }
     }
   };
-  load_group(first, a, s);  // before the wait: the weights do not depend on the previous kernel
+  // Stage j's activations into buffer j % 2: every token row's 128 k (zeros past M, past K and past
+  // the CTA's chunks, so that a zero weight never meets a stale NaN), one cp.async group a thread (an
+  // empty one past the last stage, so that the waits below count the same).
+  auto copy_x = [&](int j) {
+    if (j < stages) {
+      unsigned char* buf = smem + (j & 1) * kStageBytes;
+      const int k0 = (c_begin + j * U) * kChunk, k_end = min(K, c_end * kChunk);
+      for (int i = int(threadIdx.x); i < kRows * kPieces; i += WM * 32) {
+        const int r = i / kPieces, k = k0 + (i % kPieces) * 8;
+        const bool valid = r < p.M && k < k_end;
+        cp_async16(buf + r * kRowBytes + (i % kPieces) * 16, valid ? p.x + size_t(r) * K + k : p.x, valid);
+      }
+    }
+    cp_async_commit();
+  };
+
+  uint4 a[U][2];
+  uint32_t s[U][2];
+  load_weights(0, a, s);  // before the wait: the weights do not depend on the previous kernel
   pdl_wait();
   pdl_trigger();
-
-  // Token row g of every n-tile (clamped into the batch: a column past M is computed, never stored).
-  const uint16_t* x_row[NT];
-#pragma unroll
-  for (int nt = 0; nt < NT; ++nt) x_row[nt] = p.x + size_t(min(nt * 8 + g, p.M - 1)) * K;
-  const int live_tiles = (p.M + 7) / 8;
+  copy_x(0);
 
   float acc[NT][4];
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
     for (int q = 0; q < 4; ++q) acc[nt][q] = 0.f;
+  const int live_tiles = (p.M + 7) / 8;
 
-  for (int base = first; base < c_end; base += step) {
+  for (int j = 0; j < stages; ++j) {
     uint4 an[U][2];
     uint32_t sn[U][2];
-    load_group(base + step, an, sn);  // the next group in flight while this one is multiplied
+    load_weights(j + 1, an, sn);  // the next stage's weights and activations in flight
+    copy_x(j + 1);
+    cp_async_wait_group<1>();  // this thread's copies of stage j have landed
+    __syncthreads();           // ... and every thread's
+    const unsigned char* buf = smem + (j & 1) * kStageBytes;
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int chunk = base + u;
-      const int k = chunk * kChunk + kLaneK * t;
-      if (chunk >= c_end) break;  // warp-uniform
-      const bool live = k < K;
+      if (c_begin + j * U + u >= c_end) break;  // CTA-uniform
 #pragma unroll
       for (int i = 0; i < kXWords; ++i) {
         uint4 ra, rb;  // rows g and g + 8 as bf16: the lane's k 8i .. 8i + 7 of the chunk
@@ -136,15 +170,17 @@ __global__ void __launch_bounds__(kThreads, NT <= 8 ? 2 : 1) skinny_linear_kerne
           ra = a[u][0];
           rb = a[u][1];
         }
+        const int byte = (u * kChunk + kLaneK * t + 8 * i) * 2;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          if (nt >= live_tiles) break;  // warp-uniform: empty n-tiles cost nothing
-          const uint4 b = live ? __ldg(reinterpret_cast<const uint4*>(x_row[nt] + k + 8 * i)) : make_uint4(0, 0, 0, 0);
+          if (nt >= live_tiles) break;  // CTA-uniform: empty n-tiles cost nothing
+          const uint4 b = *reinterpret_cast<const uint4*>(buf + (nt * 8 + g) * kRowBytes + byte);
           mma_16816(acc[nt], ra.x, rb.x, ra.y, rb.y, b.x, b.y);
           mma_16816(acc[nt], ra.z, rb.z, ra.w, rb.w, b.z, b.w);
         }
       }
     }
+    __syncthreads();  // every warp is done with buffer j % 2 before stage j + 2 is copied into it
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -153,50 +189,58 @@ __global__ void __launch_bounds__(kThreads, NT <= 8 ? 2 : 1) skinny_linear_kerne
         if constexpr (kFp8) s[u][h] = sn[u][h];
       }
   }
+  cp_async_wait_all();  // the last, empty group
 
-  // The CTA's sums: every warp's accumulators into shared memory, then the WK warps of each row warp
-  // added in warp order into the first WM slots (item (wm, f, lane) at red[(wm * NT * 4 + f) * 32 +
-  // lane]; each item read and written by one thread).
-  constexpr int kSlot = NT * 4 * 32;
+  // C element q of a lane: row g + 8 (q >= 2) of the warp's 16, token 2 t + (q & 1) of the n-tile.
+  auto store = [&](int col, int n, float v) {
+    const size_t at = size_t(col) * p.N + n;
+    if (p.out_f32)
+      static_cast<float*>(p.out)[at] = v;
+    else
+      static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(v);
+  };
+  if (gridDim.z == 1) {  // no k split: each lane stores its own sums
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int col = nt * 8 + 2 * t + (q & 1), n = row0 + g + 8 * (q >> 1);
+        if (col < p.M && n < p.N) store(col, n, acc[nt][q]);
+      }
+    return;
+  }
+
+  // A k split: every warp's sums into shared memory (item (warp, f, lane) at red[(warp * NT * 4 + f) *
+  // 32 + lane]), then the cluster's CTAs (k slices, rank = blockIdx.z) each finish a share of the items,
+  // adding the slices in rank order: the bits do not depend on which CTA adds them.
+  constexpr int kItems = WM * NT * 4 * 32;
+  float* red = reinterpret_cast<float*>(smem);
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-    for (int q = 0; q < 4; ++q) red[warp * kSlot + (nt * 4 + q) * 32 + lane] = acc[nt][q];
-  __syncthreads();
-  constexpr int kItems = WM * kSlot;
-  if constexpr (WK > 1) {
-    for (int item = threadIdx.x; item < kItems; item += kThreads) {
-      float sum = 0.f;
-#pragma unroll
-      for (int j = 0; j < WK; ++j) sum += red[j * kItems + item];  // warp j * WM + wm's copy of the item
-      red[item] = sum;
-    }
-    __syncthreads();
-  }
-
-  // The cluster's CTAs (k slices, rank = blockIdx.z) each finish a share of the items, adding the
-  // slices in rank order. Item (wm, nt, q, lane): C element q of the lane is row g + 8 (q >= 2), token
-  // 2 t + (q & 1) of the n-tile.
+    for (int q = 0; q < 4; ++q) red[(warp * NT * 4 + nt * 4 + q) * 32 + lane] = acc[nt][q];
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   const int splits = int(cluster.num_blocks()), rank = int(cluster.block_rank());
-  if (splits > 1) cluster.sync();  // every CTA's sums are in its shared memory
+  cluster.sync();  // every CTA's sums are in its shared memory
   const int share = (kItems + splits - 1) / splits;
-  for (int item = rank * share + int(threadIdx.x); item < min(kItems, (rank + 1) * share); item += kThreads) {
+  for (int item = rank * share + int(threadIdx.x); item < min(kItems, (rank + 1) * share); item += WM * 32) {
     const int l = item & 31, f = (item >> 5) % (NT * 4), iw = (item >> 5) / (NT * 4);
     const int q = f & 3, nt = f >> 2;
     const int col = nt * 8 + 2 * (l & 3) + (q & 1);
     const int n = int(blockIdx.x) * 16 * WM + iw * 16 + (l >> 2) + 8 * (q >> 1);
     if (col >= p.M || n >= p.N) continue;
+    float part[kMaxSplits];
+#pragma unroll
+    for (int z = 0; z < kMaxSplits; ++z)  // all loads first: one round trip, not one a split
+      part[z] = z < splits ? cluster.map_shared_rank(red, z)[item] : 0.f;
     float sum = 0.f;
-    for (int z = 0; z < splits; ++z) sum += (z == rank ? red : cluster.map_shared_rank(red, z))[item];
-    const size_t at = size_t(col) * p.N + n;
-    if (p.out_f32)
-      static_cast<float*>(p.out)[at] = sum;
-    else
-      static_cast<__nv_bfloat16*>(p.out)[at] = __float2bfloat16_rn(sum);
+#pragma unroll
+    for (int z = 0; z < kMaxSplits; ++z)
+      if (z < splits) sum += part[z];
+    store(col, n, sum);
   }
-  if (splits > 1) cluster.sync();  // no CTA leaves while another still reads its shared memory
+  cluster.sync();  // no CTA leaves while another still reads its shared memory
 }
 
 using KernelFn = void (*)(KernelParams);
@@ -223,15 +267,20 @@ KernelFn pick_kernel(bool fp8, int M, int row_warps) {
   }
 }
 
-// Opts the kernel into its shared memory (past the static 48 KiB at 16 n-tiles) on the current device
-// and returns its resident CTAs an SM. Host queries, no sync: fine inside a graph capture, and asked
-// per launch because a process may drive several GPUs (the attribute is per device).
+size_t kernel_smem(bool fp8, int M, int row_warps) {
+  const int nt = tiles_for(M);
+  return fp8 ? smem_bytes<true>(nt, row_warps) : smem_bytes<false>(nt, row_warps);
+}
+
+// Opts the kernel into its shared memory (past the static 48 KiB from 16 n-tiles) on the current
+// device and returns its resident CTAs an SM. Host queries, no sync: fine inside a graph capture, and
+// asked per launch because a process may drive several GPUs (the attribute is per device).
 int prepare_kernel(bool fp8, int M, int row_warps) {
   const KernelFn kernel = pick_kernel(fp8, M, row_warps);
-  const size_t smem = reduction_bytes(tiles_for(M));
+  const size_t smem = kernel_smem(fp8, M, row_warps);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, row_warps * 32, smem));
   return std::max(per_sm, 1);
 }
 
@@ -240,12 +289,15 @@ int num_chunks(const SkinnyLinearParams& p) {
   return (p.K + kc - 1) / kc;
 }
 
-// The largest k split up to `want` that leaves every warp of a CTA at least one group of chunks.
-int fit_splits(int want, int chunks, int row_warps) {
-  const int per_cta_min = (kWarps / row_warps) * kGroupChunks;
-  int s = std::clamp(want, 1, kMaxSplits);
-  while (s > 1 && chunks / s < per_cta_min) --s;
-  return s;
+int stage_chunks_of(const SkinnyLinearParams& p) { return p.w_scale ? stage_chunks<true>() : stage_chunks<false>(); }
+
+// The k split actually launched for `want`: at most one CTA a stage, and none left without chunks.
+// Returns the CTAs a row tile; *split_chunks the chunks each takes (whole stages).
+int fit_splits(int want, int chunks, int stage, int* split_chunks) {
+  const int stages = (chunks + stage - 1) / stage;
+  const int s = std::clamp(want, 1, std::min(kMaxSplits, stages));
+  *split_chunks = (stages + s - 1) / s * stage;
+  return (chunks + *split_chunks - 1) / *split_chunks;
 }
 
 }  // namespace
@@ -256,18 +308,19 @@ bool skinny_linear_fits(const SkinnyLinearParams& p) {
          p.K % (fp8 ? 32 : 8) == 0 && aligned16(p.x) && aligned16(p.w) && p.out != static_cast<const void*>(p.x);
 }
 
-// Widest row tile first (the activations are read once a row tile), as long as the CTAs still cover
+// Widest row tile first (the activations are copied once a row tile), as long as the CTAs still cover
 // the SMs once; the k split fills each row tile's cluster up to the CTAs resident at once.
 SkinnyLinearTiling skinny_linear_choose(const SkinnyLinearParams& p) {
-  const int sms = sm_count(), chunks = num_chunks(p);
+  const int sms = sm_count(), chunks = num_chunks(p), stage = stage_chunks_of(p);
   const bool fp8 = p.w_scale != nullptr;
   SkinnyLinearTiling best{};
   int64_t best_ctas = 0;
   for (int rw : {8, 4, 2, 1}) {
     const int64_t tiles = (int64_t(p.N) + 16 * rw - 1) / (16 * rw);
     const int64_t resident = int64_t(sms) * prepare_kernel(fp8, p.M, rw);
-    const int splits =
-        fit_splits(int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, resident / tiles))), chunks, rw);
+    int split_chunks = 0;
+    const int splits = fit_splits(int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, resident / tiles))), chunks,
+                                  stage, &split_chunks);
     const int64_t ctas = tiles * splits;
     if (ctas > best_ctas) best = {rw, splits}, best_ctas = ctas;
     if (ctas >= sms) return {rw, splits};
@@ -284,8 +337,6 @@ void launch_skinny_linear(const SkinnyLinearParams& p, KernelStream on, SkinnyLi
   check_arg(rw == 1 || rw == 2 || rw == 4 || rw == 8, "launch_skinny_linear: row_warps must be 1, 2, 4 or 8");
   check_arg(tiling.k_splits >= 1 && tiling.k_splits <= kMaxSplits, "launch_skinny_linear: k_splits must be in [1, 8]");
   const bool fp8 = p.w_scale != nullptr;
-  const int chunks = num_chunks(p);
-  const int splits = fit_splits(tiling.k_splits, chunks, rw);
   KernelParams kp;
   kp.x = reinterpret_cast<const uint16_t*>(p.x);
   kp.w = static_cast<const uint8_t*>(p.w);
@@ -295,13 +346,12 @@ void launch_skinny_linear(const SkinnyLinearParams& p, KernelStream on, SkinnyLi
   kp.M = p.M;
   kp.N = p.N;
   kp.K = p.K;
-  kp.split_chunks = (chunks + splits - 1) / splits;
-  const int ctas_a_tile = (chunks + kp.split_chunks - 1) / kp.split_chunks;  // none left without chunks
+  const int splits = fit_splits(tiling.k_splits, num_chunks(p), stage_chunks_of(p), &kp.split_chunks);
   const int64_t tiles = (int64_t(p.N) + 16 * rw - 1) / (16 * rw);
   check_arg(tiles <= 0x7fffffff, "launch_skinny_linear: N too large for the grid");
   prepare_kernel(fp8, p.M, rw);
-  launch_pdl_clusters(pick_kernel(fp8, p.M, rw), dim3(unsigned(tiles), 1, unsigned(ctas_a_tile)), dim3(kThreads),
-                      reduction_bytes(tiles_for(p.M)), on, unsigned(ctas_a_tile), kp);
+  launch_pdl_clusters(pick_kernel(fp8, p.M, rw), dim3(unsigned(tiles), 1, unsigned(splits)), dim3(unsigned(rw) * 32),
+                      kernel_smem(fp8, p.M, rw), on, unsigned(splits), kp);
 }
 
 }  // namespace tpmoe::cuda
