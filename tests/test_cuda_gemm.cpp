@@ -434,7 +434,7 @@ JoinedAndApart weights_both_ways(const std::vector<int>& widths, int K, bool mxf
 // oracle either way (on the values the weights hold), every element written, and as a recorded step
 // the joined form takes fewer launches (one matmul and the column split, against one matmul each and,
 // for bf16, cuBLASLt's split-k reductions). Batch 3 is the GEMV's (one launch either way); from 9
-// tokens bf16 runs the split-k grouped GEMM up to 16 and cuBLASLt beyond, MXFP8 the grouped GEMM.
+// tokens bf16 runs the skinny linear up to 16 and cuBLASLt beyond, MXFP8 the skinny linear up to 64.
 void check_joined_linears(bool mxfp8) {
   const int K = 1024;
   const std::vector<int> widths = {512, 64, 64, 64, 64};

@@ -131,7 +131,7 @@ TEST(CudaMxfp8Linear, MatchesOracleAtAwkwardShapes) {
       const std::string what = fmt::format("M={} N={} K={} out {}", s.M, s.N, s.K, f32 ? "f32" : "bf16");
       // fp32 out: only the bf16 activations' products summed in another order (the weights widen
       // exactly); bf16 out adds one rounding. Past the GEMV's range, the grouped GEMM too (what
-      // launch_fp8_linear runs up to 128 tokens is the skinny linear).
+      // launch_fp8_linear runs up to 64 tokens is the skinny linear).
       expect_close(linear_gpu(x, w, s.M, s.N, s.K, f32), want, f32 ? 1e-5 : kTolBf16, what);
       if (s.M > 8)
         expect_close(linear_gpu(x, w, s.M, s.N, s.K, f32, 0, true), want, f32 ? 1e-5 : kTolBf16, what + ", grouped");
@@ -168,7 +168,7 @@ TEST(CudaMxfp8Linear, SplitKGivesTheSameBitsEveryRun) {
   }
 }
 
-// The skinny linear with MXFP8 weights (launch_skinny_linear: what launch_fp8_linear runs for 9-128
+// The skinny linear with MXFP8 weights (launch_skinny_linear: what launch_fp8_linear runs for 9-64
 // tokens), every tiling against the oracle: 64-wide chunks, K ending in half a chunk (4128), scales
 // of every magnitude.
 TEST(CudaMxfp8Linear, SkinnyLinearMatchesOracleForEveryTiling) {

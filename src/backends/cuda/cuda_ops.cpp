@@ -475,13 +475,12 @@ void CudaOps::linear(Tensor x, Tensor weight, Tensor out) {
   expect(weight, DType::kBF16, "linear weight");
   const int M = int(x.dim(0)), N = int(weight.dim(0)), K = int(x.dim(1));
   const bool f32 = out.dtype == DType::kF32;
-  if (decode_gemv_ && M <= kSplitKLinearMaxM) {  // a few tokens: the split-k grouped GEMM (moe.cuh)
-    launch_bf16_linear({bf16(x), bf16(weight), out.data, f32, M, N, K}, kernels_);
-    return;
-  }
-  if (const SkinnyLinearParams skinny{bf16(x), weight.data, nullptr, out.data, f32, M, N, K};
-      decode_gemv_ && skinny_linear_fits(skinny)) {  // up to 128 tokens: one pass over the weight
-    launch_skinny_linear(skinny, kernels_);
+  if (decode_gemv_ && M <= kBf16SkinnyLinearMaxM) {  // a few tokens: one pass over the weight
+    const SkinnyLinearParams skinny{bf16(x), weight.data, nullptr, out.data, f32, M, N, K};
+    if (skinny_linear_fits(skinny))
+      launch_skinny_linear(skinny, kernels_);
+    else  // rows off 16-byte alignment: the split-k grouped GEMM (moe.cuh)
+      launch_bf16_linear({bf16(x), bf16(weight), out.data, f32, M, N, K}, kernels_);
     return;
   }
   gemm_.linear(bf16(x), bf16(weight), out.data, f32, M, N, K, stream_);

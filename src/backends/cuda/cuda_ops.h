@@ -49,17 +49,18 @@ struct CudaOpsOptions {
   // Programmatic dependent launch between the kernels of a step (kernel_utils.cuh).
   bool pdl = true;
   // Linears of <= 8 tokens on the weight-streaming GEMV (gemv.cuh), which also runs several
-  // projections of one input as one launch, bf16 linears of 9 to kSplitKLinearMaxM tokens on the
-  // grouped GEMM with its k split (launch_bf16_linear), and the MoE of a single token on its two
-  // GEMVs (moe_gemv.cuh); false: one cuBLASLt matmul each and the grouped-GEMM MoE (for
-  // comparison). MXFP8 linears take tpmoe's kernels either way (launch_fp8_linear: cuBLASLt has no
-  // MXFP8 on Hopper).
+  // projections of one input as one launch, bf16 linears of 9 to kBf16SkinnyLinearMaxM tokens on the
+  // skinny linear (skinny_linear.cuh), and the MoE of a single token on its two GEMVs
+  // (moe_gemv.cuh); false: one cuBLASLt matmul each and the grouped-GEMM MoE (for comparison).
+  // MXFP8 linears take tpmoe's kernels either way (launch_fp8_linear: cuBLASLt has no MXFP8 on
+  // Hopper).
   bool decode_gemv = true;
 };
 
-// The most tokens a bf16 linear runs on launch_bf16_linear rather than cuBLASLt (decode_gemv):
-// measured faster at 16 tokens, slower at 32 and 64 (docs/PERF.md).
-inline constexpr int kSplitKLinearMaxM = 16;
+// The most tokens a bf16 linear runs on the skinny linear rather than cuBLASLt (decode_gemv): at 9-16
+// tokens it measured faster than cuBLASLt and the split-k grouped GEMM at nearly every dense shape of
+// a tp-8 and a tp-4 rank; from 17 tokens it ties cuBLASLt, and from 33 it is slower (docs/PERF.md).
+inline constexpr int kBf16SkinnyLinearMaxM = 16;
 
 class CudaOps final : public Ops {
  public:

@@ -99,8 +99,10 @@ struct Fp8LinearParams {
   bool out_f32 = false;
   int M = 0, N = 0, K = 0;
 };
-// The kernel for the shape: decode-sized M (<= 8) the GEMV of gemv.cuh, up to 128 tokens the skinny
-// linear of skinny_linear.cuh (16-byte aligned operands), anything else launch_grouped_linear.
+// The kernel for the shape: decode-sized M (<= 8) the GEMV of gemv.cuh, up to kFp8SkinnyLinearMaxM
+// tokens the skinny linear of skinny_linear.cuh (16-byte aligned operands), anything else
+// launch_grouped_linear.
+inline constexpr int kFp8SkinnyLinearMaxM = 64;
 void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on);
 // The grouped-GEMM kernel of the MoE down projection, run as one expert that every token is routed to
 // in order (no routing, no slot weights), in token blocks of 8-32 tokens, each of which reads the
@@ -111,8 +113,8 @@ void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on);
 void launch_grouped_linear(const Fp8LinearParams& p, KernelStream on);
 
 // The same grouped GEMM (split k included) for a bf16 linear, out[M, N] = x[M, K] W[N, K]^T, fp32
-// accumulation, bf16 or fp32 out, deterministic. Any M, N, K >= 1. CudaOps runs it for 9 to 16
-// tokens instead of cuBLASLt (measured faster there, slower from 32 tokens: docs/PERF.md).
+// accumulation, bf16 or fp32 out, deterministic. Any M, N, K >= 1. CudaOps runs it for 9 to 16 tokens
+// only where the skinny linear cannot read the operands (rows off 16-byte alignment).
 struct Bf16LinearParams {
   const __nv_bfloat16* x = nullptr;  // [M, K]
   const __nv_bfloat16* w = nullptr;  // [N, K]

@@ -273,15 +273,11 @@ size_t kernel_smem(bool fp8, int M, int row_warps) {
 }
 
 // Opts the kernel into its shared memory (past the static 48 KiB from 16 n-tiles) on the current
-// device and returns its resident CTAs an SM. Host queries, no sync: fine inside a graph capture, and
-// asked per launch because a process may drive several GPUs (the attribute is per device).
-int prepare_kernel(bool fp8, int M, int row_warps) {
-  const KernelFn kernel = pick_kernel(fp8, M, row_warps);
-  const size_t smem = kernel_smem(fp8, M, row_warps);
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, row_warps * 32, smem));
-  return std::max(per_sm, 1);
+// device: a host call, no sync, fine inside a graph capture; made per launch because a process may
+// drive several GPUs and the attribute is per device.
+void allow_smem(bool fp8, int M, int row_warps) {
+  CUDA_CHECK(cudaFuncSetAttribute(pick_kernel(fp8, M, row_warps), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  int(kernel_smem(fp8, M, row_warps))));
 }
 
 int num_chunks(const SkinnyLinearParams& p) {
@@ -308,24 +304,22 @@ bool skinny_linear_fits(const SkinnyLinearParams& p) {
          p.K % (fp8 ? 32 : 8) == 0 && aligned16(p.x) && aligned16(p.w) && p.out != static_cast<const void*>(p.x);
 }
 
-// Widest row tile first (the activations are copied once a row tile), as long as the CTAs still cover
-// the SMs once; the k split fills each row tile's cluster up to the CTAs resident at once.
+// The rule below was read off bench_cuda_gemm's sweep of every tiling over the dense linears of a tp-8
+// and a tp-4 rank at 9-128 tokens (H100, docs/PERF.md), where it lands within ~10% of the fastest
+// tiling at nearly every shape:
+// - 64 rows a CTA; 128 from 33 tokens where N >= 1024 (the activations are copied once a row tile,
+//   and from 33 tokens they are as many bytes as a row tile's weights); 32 for N <= 1024 at up to 16
+//   tokens (a narrow weight wants more CTAs);
+// - the k split a power of two, at most 8, keeping every CTA at least 2 stages (128 k each: the pipeline
+//   is 2 deep) and the CTAs under 4 an SM.
 SkinnyLinearTiling skinny_linear_choose(const SkinnyLinearParams& p) {
-  const int sms = sm_count(), chunks = num_chunks(p), stage = stage_chunks_of(p);
-  const bool fp8 = p.w_scale != nullptr;
-  SkinnyLinearTiling best{};
-  int64_t best_ctas = 0;
-  for (int rw : {8, 4, 2, 1}) {
-    const int64_t tiles = (int64_t(p.N) + 16 * rw - 1) / (16 * rw);
-    const int64_t resident = int64_t(sms) * prepare_kernel(fp8, p.M, rw);
-    int split_chunks = 0;
-    const int splits = fit_splits(int(std::min<int64_t>(kMaxSplits, std::max<int64_t>(1, resident / tiles))), chunks,
-                                  stage, &split_chunks);
-    const int64_t ctas = tiles * splits;
-    if (ctas > best_ctas) best = {rw, splits}, best_ctas = ctas;
-    if (ctas >= sms) return {rw, splits};
-  }
-  return best;
+  const int rw = p.M > 32 && p.N >= 1024 ? 8 : p.M <= 16 && p.N <= 1024 ? 2 : 4;
+  const int64_t tiles = (int64_t(p.N) + 16 * rw - 1) / (16 * rw);
+  const int64_t stages = (int64_t(p.K) + kStageK - 1) / kStageK;
+  const int64_t most = std::min<int64_t>({kMaxSplits, stages / 2, 4 * int64_t(sm_count()) / tiles});
+  int splits = 1;
+  while (splits * 2 <= most) splits *= 2;
+  return {rw, splits};
 }
 
 void launch_skinny_linear(const SkinnyLinearParams& p, KernelStream on, SkinnyLinearTiling tiling) {
@@ -349,7 +343,7 @@ void launch_skinny_linear(const SkinnyLinearParams& p, KernelStream on, SkinnyLi
   const int splits = fit_splits(tiling.k_splits, num_chunks(p), stage_chunks_of(p), &kp.split_chunks);
   const int64_t tiles = (int64_t(p.N) + 16 * rw - 1) / (16 * rw);
   check_arg(tiles <= 0x7fffffff, "launch_skinny_linear: N too large for the grid");
-  prepare_kernel(fp8, p.M, rw);
+  allow_smem(fp8, p.M, rw);
   launch_pdl_clusters(pick_kernel(fp8, p.M, rw), dim3(unsigned(tiles), 1, unsigned(splits)), dim3(unsigned(rw) * 32),
                       kernel_smem(fp8, p.M, rw), on, unsigned(splits), kp);
 }
