@@ -103,7 +103,7 @@ struct ModelFlags {
         ->check(CLI::IsMember({"on", "off"}));
     app->add_option("--decode-gemv", decode_gemv,
                     "cuda: linears of <= 8 tokens and the MoE of one token on tpmoe's GEMVs, bf16 linears of "
-                    "9-16 tokens on its split-k GEMM (off: cuBLASLt and the grouped GEMM), on|off")
+                    "9-16 tokens on its skinny linear (off: cuBLASLt and the grouped GEMM), on|off")
         ->check(CLI::IsMember({"on", "off"}));
   }
   std::string resolved_device() const { return device.empty() ? default_device() : device; }
