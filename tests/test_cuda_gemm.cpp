@@ -37,24 +37,36 @@ struct Shape {
   int M, N, K;
 };
 
+// Random bf16 activations [M, K] and weights [N, K] on the device, and the CPU oracle's output for
+// them: fp32 math over the same bf16 values.
+struct LinearProblem {
+  std::vector<float> x, w, want;
+  test::DeviceBuffer<__nv_bfloat16> dx, dw;
+  LinearProblem(Shape s, uint64_t seed)
+      : x(test::round_bf16(test::random_floats(size_t(s.M) * s.K, 1.0f, seed + s.M))),
+        w(test::round_bf16(test::random_floats(size_t(s.N) * s.K, 0.02f, seed + 18 + s.N))),
+        want(size_t(s.M) * s.N),
+        dx(test::to_bf16(x)),
+        dw(test::to_bf16(w)) {
+    std::vector<uint16_t> w_bits(w.size());
+    for (size_t i = 0; i < w.size(); ++i) w_bits[i] = f32_to_bf16(w[i]);
+    cpu::CpuOps cpu;
+    cpu.linear(Tensor::make(x.data(), DType::kF32, s.M, s.K), Tensor::make(w_bits.data(), DType::kBF16, s.N, s.K),
+               Tensor::make(want.data(), DType::kF32, s.M, s.N));
+  }
+};
+
 class CudaGemm : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(CudaGemm, LinearMatchesCpu) {
   TPMOE_REQUIRE_GPU();
   const auto [M, N, K] = GetParam();
-  const auto x = test::round_bf16(test::random_floats(size_t(M) * K, 1.0f, 11 + M));
-  const auto w = test::round_bf16(test::random_floats(size_t(N) * K, 0.02f, 29 + N));
-
-  // Oracle: fp32 math over the same bf16 values.
-  std::vector<uint16_t> w_bits(w.size());
-  for (size_t i = 0; i < w.size(); ++i) w_bits[i] = f32_to_bf16(w[i]);
-  std::vector<float> x_host = x, want(size_t(M) * N);
-  cpu::CpuOps cpu;
-  cpu.linear(Tensor::make(x_host.data(), DType::kF32, M, K), Tensor::make(w_bits.data(), DType::kBF16, N, K),
-             Tensor::make(want.data(), DType::kF32, M, N));
+  LinearProblem lp(GetParam(), 11);
+  const std::vector<float>& want = lp.want;
+  auto& dx = lp.dx;
+  auto& dw = lp.dw;
 
   cuda::Gemm gemm;
-  test::DeviceBuffer<__nv_bfloat16> dx(test::to_bf16(x)), dw(test::to_bf16(w));
   test::DeviceBuffer<float> out_f32(size_t(M) * N);
   test::DeviceBuffer<__nv_bfloat16> out_bf16(size_t(M) * N);
   gemm.linear(dx.get(), dw.get(), out_f32.get(), true, M, N, K, nullptr);
@@ -97,20 +109,15 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
 class CudaSkinnyLinear : public ::testing::TestWithParam<Shape> {};
 
 // Every tiling (row tile of 16, 32, 64 or 128 rows; k split over 1, 3 or 8 CTAs of a cluster, cut
-// down where a CTA would get no whole group of chunks) against the CPU oracle, with poisoned outputs
+// down where a CTA would get no stage of 128 k) against the CPU oracle, with poisoned outputs
 // (every element must be written), and the launcher's own choice twice: the same bits every run.
 TEST_P(CudaSkinnyLinear, EveryTilingMatchesCpu) {
   TPMOE_REQUIRE_GPU();
   const auto [M, N, K] = GetParam();
-  const auto x = test::round_bf16(test::random_floats(size_t(M) * K, 1.0f, 13 + M));
-  const auto w = test::round_bf16(test::random_floats(size_t(N) * K, 0.02f, 31 + N));
-  std::vector<uint16_t> w_bits(w.size());
-  for (size_t i = 0; i < w.size(); ++i) w_bits[i] = f32_to_bf16(w[i]);
-  std::vector<float> x_host = x, want(size_t(M) * N);
-  cpu::CpuOps cpu;
-  cpu.linear(Tensor::make(x_host.data(), DType::kF32, M, K), Tensor::make(w_bits.data(), DType::kBF16, N, K),
-             Tensor::make(want.data(), DType::kF32, M, N));
-  test::DeviceBuffer<__nv_bfloat16> dx(test::to_bf16(x)), dw(test::to_bf16(w));
+  LinearProblem lp(GetParam(), 13);
+  const std::vector<float>& want = lp.want;
+  auto& dx = lp.dx;
+  auto& dw = lp.dw;
 
   auto run = [&](bool f32, cuda::SkinnyLinearTiling tiling) {
     test::DeviceBuffer<float> o32(size_t(M) * N);

@@ -1,5 +1,6 @@
-// Helpers every kernel family shares: launch-argument checks, alignment, warp reductions and the
-// packing of eight bf16 values into one 16-byte access. Device code only plus two host helpers.
+// Helpers every kernel family shares: launch-argument checks, alignment, PDL launches, cp.async
+// copies, the bf16 tensor-core mma, warp reductions and the packing of eight bf16 values into one
+// 16-byte access. Device code plus a few host helpers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -95,6 +96,16 @@ __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait_group<0>(); }
+
+// c += a b for one m16n8k16 tile: bf16 inputs, fp32 accumulators, in the fragment layout of the PTX
+// ISA's mma.m16n8k16 (a0..a3: rows g / g + 8, k 2t.. / 2t + 8..; b0, b1: column g, k 2t.. / 2t + 8..).
+__device__ __forceinline__ void mma_bf16_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

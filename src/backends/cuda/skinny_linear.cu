@@ -62,14 +62,6 @@ constexpr size_t smem_bytes(int nt, int row_warps) {
   return stages > reduction ? stages : reduction;
 }
 
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 // kFp8: e4m3 weights with an E8M0 scale per 32 k. NT: n-tiles of 8 tokens (M <= 8 * NT). WM: warps a
 // CTA, 16 weight rows each. Resident warps an SM asked of the compiler: 16 (NT <= 8) or 8.
 template <bool kFp8, int NT, int WM>
@@ -175,8 +167,8 @@ __global__ void __launch_bounds__(WM * 32, (NT <= 8 ? 16 : 8) / WM > 0 ? (NT <= 
         for (int nt = 0; nt < NT; ++nt) {
           if (nt >= live_tiles) break;  // CTA-uniform: empty n-tiles cost nothing
           const uint4 b = *reinterpret_cast<const uint4*>(buf + (nt * 8 + g) * kRowBytes + byte);
-          mma_16816(acc[nt], ra.x, rb.x, ra.y, rb.y, b.x, b.y);
-          mma_16816(acc[nt], ra.z, rb.z, ra.w, rb.w, b.z, b.w);
+          mma_bf16_16816(acc[nt], ra.x, rb.x, ra.y, rb.y, b.x, b.y);
+          mma_bf16_16816(acc[nt], ra.z, rb.z, ra.w, rb.w, b.z, b.w);
         }
       }
     }
