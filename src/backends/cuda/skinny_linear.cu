@@ -48,8 +48,8 @@ template <bool kFp8>
 constexpr int stage_chunks() {
   return kStageK / chunk_k<kFp8>();
 }
-// A token's 128 k of a stage in shared memory, padded so that the 8 rows one 16-byte load of a
-// quarter warp touches fall in distinct banks (bf16: 2 rows x 64 bytes, row stride = 64 mod 128;
+// A token's 128 k of a stage in shared memory, padded so that the two token rows a quarter warp's
+// 16-byte reads touch fall in distinct banks (bf16: 2 rows x 64 bytes, row stride = 64 mod 128;
 // MXFP8: 2 rows x 4 lanes 32 bytes apart, row stride = 16 mod 128).
 template <bool kFp8>
 constexpr int x_row_bytes() {
@@ -297,8 +297,9 @@ bool skinny_linear_fits(const SkinnyLinearParams& p) {
 }
 
 // The rule below was read off bench_cuda_gemm's sweep of every tiling over the dense linears of a tp-8
-// and a tp-4 rank at 9-128 tokens (H100, docs/PERF.md), where it lands within ~10% of the fastest
-// tiling at nearly every shape:
+// and a tp-4 rank at 9-128 tokens (H100, docs/PERF.md). Where the engine runs the kernel (bf16 at 16
+// tokens, MXFP8 at 16 and 64) it chose within 1% of the sweep's fastest tiling at most shapes and
+// 6-20% slower at four:
 // - 64 rows a CTA; 128 from 33 tokens where N >= 1024 (the activations are copied once a row tile,
 //   and from 33 tokens they are as many bytes as a row tile's weights); 32 for N <= 1024 at up to 16
 //   tokens (a narrow weight wants more CTAs);
