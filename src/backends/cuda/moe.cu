@@ -1003,8 +1003,9 @@ void launch_fp8_linear(const Fp8LinearParams& p, KernelStream on) {
     launch_gemv(gemv, on);
     return;
   }
-  // The skinny linear up to 64 tokens: 1.1-2x faster than the grouped GEMM there at the dense shapes
-  // of a tp-8 and a tp-4 rank; at 128 it wins at some shapes and loses at others (docs/PERF.md).
+  // The skinny linear up to 64 tokens: at the dense shapes of a tp-8 and a tp-4 rank up to 2x faster
+  // than the grouped GEMM there (one shape 4% slower: the tp-8 o_proj at 16 tokens); at 128 it wins at
+  // some shapes and loses at others (docs/PERF.md).
   if (const SkinnyLinearParams skinny{p.x, p.w, p.w_scale, p.out, p.out_f32, p.M, p.N, p.K};
       p.M <= kFp8SkinnyLinearMaxM && skinny_linear_fits(skinny)) {
     launch_skinny_linear(skinny, on);
