@@ -1,10 +1,10 @@
-// The dense linears of a decode step past the GEMV's range (17-128 tokens), which the engine runs on
-// cuBLASLt (Gemm::linear: the heuristic's first algorithm for the shape): how far cuBLASLt's other
-// candidates, and tpmoe's own split-k GEMM (launch_bf16_linear), land from that choice and from the
-// floor. At these shapes a matmul reads a few MB in a few microseconds, so which algorithm runs -
-// its tile, its split of K and whether it reduces the split in a kernel of its own - decides the
-// time more than the bytes do (docs/PERF.md: "the matmuls of the dense weights are the largest
-// distance from the floor" at 64 tokens).
+// The dense linears of a decode step past the GEMV's range (9-128 tokens; the default list starts at
+// 17), which the engine runs on tpmoe's skinny linear up to 16 tokens and on cuBLASLt beyond
+// (Gemm::linear: the heuristic's first algorithm for the shape): how far cuBLASLt's other candidates,
+// tpmoe's split-k GEMM (launch_bf16_linear) and its skinny linear (launch_skinny_linear) land from
+// that choice and from the floor. At these shapes a matmul reads a few MB in a few microseconds, so which algorithm
+// runs - its tile, its split of K and whether it reduces the split in a kernel of its own - decides the time more than
+// the bytes do (docs/PERF.md: "the matmuls of the dense weights are the largest distance from the floor" at 64 tokens).
 //
 // Each (shape, tokens) row times a chain of --chain matmuls over as many distinct copies of the
 // weight, recorded as one CUDA graph and replayed after an L2 flush (a 256 MiB read: cold weights,
@@ -23,7 +23,8 @@
 // --all prints every candidate and every tiling.
 //
 // --mxfp8: the same shapes with MXFP8 weights (e4m3 + an E8M0 scale per 32 k; cuBLASLt has none on
-// Hopper): the grouped GEMM (launch_grouped_linear) against the skinny linear; floor = FP8 bytes.
+// Hopper): the grouped GEMM (launch_grouped_linear, with PDL as the engine runs it) against the skinny
+// linear, which the engine runs for MXFP8 up to 64 tokens; floor = FP8 bytes.
 //
 //   bench_cuda_gemm [--shapes NxK[f],...] [--tokens M,...] [--candidates C] [--chain L] [--reps R] [--all]
 //                   [--mxfp8]
