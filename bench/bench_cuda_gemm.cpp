@@ -2,9 +2,10 @@
 // 17), which the engine runs on tpmoe's skinny linear up to 16 tokens and on cuBLASLt beyond
 // (Gemm::linear: the heuristic's first algorithm for the shape): how far cuBLASLt's other candidates,
 // tpmoe's split-k GEMM (launch_bf16_linear) and its skinny linear (launch_skinny_linear) land from
-// that choice and from the floor. At these shapes a matmul reads a few MB in a few microseconds, so which algorithm
-// runs - its tile, its split of K and whether it reduces the split in a kernel of its own - decides the time more than
-// the bytes do (docs/PERF.md: "the matmuls of the dense weights are the largest distance from the floor" at 64 tokens).
+// that choice and from the floor. At these shapes a matmul reads a few MB in a few microseconds, so
+// which algorithm runs - its tile, its split of K and whether it reduces the split in a kernel of its
+// own - decides the time more than the bytes do (docs/PERF.md: "the matmuls of the dense weights are
+// the largest distance from the floor" at 64 tokens).
 //
 // Each (shape, tokens) row times a chain of --chain matmuls over as many distinct copies of the
 // weight, recorded as one CUDA graph and replayed after an L2 flush (a 256 MiB read: cold weights,
