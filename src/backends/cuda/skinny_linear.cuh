@@ -17,9 +17,10 @@
 // per 32 k), sums fp32; out bf16 or fp32.
 //
 // Where it runs (measured on an H100, docs/PERF.md): bf16 linears of 9-16 tokens (CudaOps::linear;
-// from 17 tokens cuBLASLt is as fast or faster) and MXFP8 linears of 9-64 (launch_fp8_linear; 1.1-2x
-// faster than the grouped GEMM there). Up to 16 tokens it lands at 1.3-2.5x its floor; from 33 tokens
-// its time grows with the tokens faster than the bytes explain (not yet understood).
+// from 17 tokens cuBLASLt is as fast or faster) and MXFP8 linears of 9-64 (launch_fp8_linear; up to 2x
+// faster than the grouped GEMM there). At 16 tokens it takes 1.3-2.6x the floor of a tp-8 or tp-4
+// rank's bf16 weights (the router's 1.5 MB: 11x); from 33 tokens its time grows with the tokens faster
+// than the bytes do (Nsight Compute: few warps an SM, each shared-memory read waited for by its own mma).
 #pragma once
 
 #include <cuda_bf16.h>
