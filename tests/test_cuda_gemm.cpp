@@ -56,6 +56,10 @@ struct LinearProblem {
   }
 };
 
+std::string shape_name(const ::testing::TestParamInfo<Shape>& info) {
+  return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" + std::to_string(info.param.K);
+}
+
 class CudaGemm : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(CudaGemm, LinearMatchesCpu) {
@@ -99,10 +103,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaGemm,
                                            // a tp-8 rank's k_proj and q_proj at 16 and 40 tokens (k
                                            // split 8 and 4 ways), K off the 8-wide loads
                                            Shape{16, 128, 6144}, Shape{40, 1024, 6144}, Shape{10, 7, 4100}),
-                         [](const auto& info) {
-                           return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" +
-                                  std::to_string(info.param.K);
-                         });
+                         shape_name);
 
 // ---- the skinny linear (skinny_linear.cuh): one pass over the weight for 1-128 tokens ---------------
 
@@ -146,10 +147,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaSkinnyLinear,
                          ::testing::Values(Shape{1, 8, 16}, Shape{9, 40, 2048}, Shape{17, 130, 1000},
                                            Shape{33, 384, 6144}, Shape{64, 257, 136}, Shape{100, 72, 416},
                                            Shape{128, 1000, 512}, Shape{65, 31, 6152}),
-                         [](const auto& info) {
-                           return "M" + std::to_string(info.param.M) + "_N" + std::to_string(info.param.N) + "_K" +
-                                  std::to_string(info.param.K);
-                         });
+                         shape_name);
 
 // What it cannot read it declines (and its launcher names): more than 128 tokens, K off the 8-wide
 // loads, misaligned activations, an output on top of the input.
