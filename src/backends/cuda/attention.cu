@@ -445,22 +445,38 @@ struct SplitSmem {
 // its key groups (from shared memory) and its splits (from the workspace): ml(i) gives state i's
 // (m in log2 units, l), acc(i, d) its sum for this lane's head dim d. A state that saw no key (m =
 // -inf) is skipped. Returns the merged m and sets l and the sums (zeros where no state saw a key).
+// The first kAhead states are read all at once, before the max that their weights need: a merge of
+// the splits reads them from L2, and a short context's 2-4 splits then cost one round trip instead
+// of two or more (the arithmetic, and so the bits, are those of the plain two passes).
 template <int kDpl, class Ml, class Acc>
 __device__ __forceinline__ float merge_states(int n, Ml&& ml, Acc&& acc, float& l, float (&sums)[kDpl]) {
+  constexpr int kAhead = 4;
+  float2 ml_ahead[kAhead];
+  float acc_ahead[kAhead][kDpl];
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) {
+    ml_ahead[i] = i < n ? ml(i) : make_float2(-INFINITY, 0.f);
+#pragma unroll
+    for (int d = 0; d < kDpl; ++d) acc_ahead[i][d] = i < n ? acc(i, d) : 0.f;
+  }
   float m_max = -INFINITY;
-  for (int i = 0; i < n; ++i) m_max = fmaxf(m_max, ml(i).x);
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) m_max = fmaxf(m_max, ml_ahead[i].x);
+  for (int i = kAhead; i < n; ++i) m_max = fmaxf(m_max, ml(i).x);
   l = 0.f;
 #pragma unroll
   for (int d = 0; d < kDpl; ++d) sums[d] = 0.f;
   if (m_max == -INFINITY) return m_max;
-  for (int i = 0; i < n; ++i) {
-    const float2 v = ml(i);
-    if (v.x == -INFINITY) continue;
+  auto add = [&](float2 v, auto&& acc_d) {
+    if (v.x == -INFINITY) return;
     const float w = exp2f(v.x - m_max);
     l += w * v.y;
 #pragma unroll
-    for (int d = 0; d < kDpl; ++d) sums[d] = fmaf(w, acc(i, d), sums[d]);
-  }
+    for (int d = 0; d < kDpl; ++d) sums[d] = fmaf(w, acc_d(d), sums[d]);
+  };
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) add(ml_ahead[i], [&](int d) { return acc_ahead[i][d]; });
+  for (int i = kAhead; i < n; ++i) add(ml(i), [&](int d) { return acc(i, d); });
   return m_max;
 }
 
@@ -557,13 +573,19 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
     }
     cp_async_commit();
   };
-  // A full layer's first tile goes before the wait (its segment is known already).
+  // A full layer's first tile goes before the wait (its segment is known already); in a decode step
+  // its second too, into the other buffer (at batch 1 a split's 64 keys are its two tiles, so after
+  // the wait it copies only the query's own row, where the walk used to look up and copy its second
+  // tile between the two tiles' scores: ~2 us of the block's chain, docs/PERF.md).
   const bool early = a.pipelined && !a.sparse;
+  const bool second_early = early && a.decode_step && hi - lo > kTile;
   if (early) {
     __syncthreads();  // the segment
     stage_rows(0, 0);
+    if (second_early) stage_rows(1, 1);
     __syncthreads();
     if (a.decode_step) copy_tile(0, 0, kEarlierKeys);
+    if (second_early) copy_tile(1, 1, kEarlierKeys);
   }
   pdl_wait();
   pdl_trigger();
@@ -648,6 +670,7 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
     if (tiles > 0) {
       if (early) {
         copy_tile(0, 0, a.decode_step ? kQueryKeys : kEveryRow);  // the rest of tile 0
+        if (second_early) copy_tile(1, 1, kQueryKeys);            // and of tile 1
       } else {
         stage_rows(0, 0);
         __syncthreads();
@@ -656,10 +679,11 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
     }
     for (int tile = 0; tile < tiles; ++tile) {
       const int b = tile & 1;
-      if (tile + 1 < tiles) stage_rows(tile + 1, b ^ 1);            // its buffer's last reader passed the last barrier
-      cp_async_wait_all();                                          // this thread's copies of tile
-      __syncthreads();                                              // everyone's; and tile + 1's rows
-      if (tile + 1 < tiles) copy_tile(tile + 1, b ^ 1, kEveryRow);  // buffer b ^ 1 was last scored before the barrier
+      const bool next = tile + 1 < tiles && !(second_early && tile == 0);  // tile + 1 still to copy
+      if (next) stage_rows(tile + 1, b ^ 1);            // its buffer's last reader passed the last barrier
+      cp_async_wait_all();                              // this thread's copies of tile
+      __syncthreads();                                  // everyone's; and tile + 1's rows
+      if (next) copy_tile(tile + 1, b ^ 1, kEveryRow);  // buffer b ^ 1 was last scored before the barrier
       if (active) score_tile(tile * kTile, k_buf(b), v_buf(b));
     }
   } else {
