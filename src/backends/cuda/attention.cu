@@ -445,14 +445,15 @@ struct SplitSmem {
 // its key groups (from shared memory) and its splits (from the workspace): ml(i) gives state i's
 // (m in log2 units, l), acc(i, d) its sum for this lane's head dim d. A state that saw no key (m =
 // -inf) is skipped. Returns the merged m and sets l and the sums (zeros where no state saw a key).
-// The first kAhead states are read all at once, before the max that their weights need: a merge of
-// the splits reads them from L2, and a short context's 2-4 splits then cost one round trip instead
-// of two or more (the arithmetic, and so the bits, are those of the plain two passes).
-template <int kDpl, class Ml, class Acc>
+// The first kAhead states are read all at once, before the max that their weights need: the merge of
+// the splits reads them from L2 (kAhead 4), and a short context's 2-4 splits then cost one round trip
+// instead of two. The arithmetic, and so the bits, are those of the plain two passes (kAhead 0: the
+// key groups' merge from shared memory, which has no round trip to save; reading ahead there too
+// measured the tiny preset's step ~1% slower, docs/PERF.md).
+template <int kDpl, int kAhead, class Ml, class Acc>
 __device__ __forceinline__ float merge_states(int n, Ml&& ml, Acc&& acc, float& l, float (&sums)[kDpl]) {
-  constexpr int kAhead = 4;
-  float2 ml_ahead[kAhead];
-  float acc_ahead[kAhead][kDpl];
+  float2 ml_ahead[kAhead > 0 ? kAhead : 1];
+  float acc_ahead[kAhead > 0 ? kAhead : 1][kDpl];
 #pragma unroll
   for (int i = 0; i < kAhead; ++i) {
     ml_ahead[i] = i < n ? ml(i) : make_float2(-INFINITY, 0.f);
@@ -732,7 +733,7 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   const bool writer = active && kg == 0;
   if (G > 1 && writer) {
     const unsigned char* groups = split_smem + Smem::q_bytes(a.heads);
-    m = merge_states<kDpl>(
+    m = merge_states<kDpl, 0>(
         G, [&](int g) { return reinterpret_cast<const float2*>(groups + size_t(g) * Smem::kGroupBytes)[hw]; },
         [&](int g, int i) {
           const unsigned char* at = groups + size_t(g) * Smem::kGroupBytes + Smem::kMergeAccOffset;
@@ -779,7 +780,7 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   const float2* ml = a.ml + prow;
   const float* partial_acc = a.acc + prow * HD + lane * kDpl;
   float denom, num[kDpl];
-  const float m_max = merge_states<kDpl>(
+  const float m_max = merge_states<kDpl, 4>(
       ran, [&](int s) { return __ldcg(&ml[s]); },
       [&](int s, int i) { return __ldcg(partial_acc + size_t(s) * HD + i); }, denom, num);
 #pragma unroll
