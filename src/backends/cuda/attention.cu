@@ -41,8 +41,9 @@
 //    another measured ~3 us a tile; the pipelined walk took a batch-1 step of the tp-8 rank 2%
 //    shorter, docs/PERF.md). Before its PDL wait a full layer's pipelined walk looks up its first
 //    tile's pool rows (the page table is a step input) and, in a decode step (the caller's
-//    decode_step: every key below a query's position is an earlier step's), copies that tile's
-//    keys below the query's position; after the wait, only the query's own row.
+//    decode_step: every key below a query's position is an earlier step's), copies the keys below
+//    the query's position of its first two tiles, one a buffer; after the wait, only the query's
+//    own row.
 //    With one split the block writes the bf16 output directly. Otherwise each split writes its
 //    partials (m, l, acc[HD], fp32) to the workspace and counts itself in on the (token, block
 //    row)'s arrival counter; the block that arrives last - all the splits that ran (split s ran
@@ -575,9 +576,9 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
     cp_async_commit();
   };
   // A full layer's first tile goes before the wait (its segment is known already); in a decode step
-  // its second too, into the other buffer (at batch 1 a split's 64 keys are its two tiles, so after
-  // the wait it copies only the query's own row, where the walk used to look up and copy its second
-  // tile between the two tiles' scores: ~2 us of the block's chain, docs/PERF.md).
+  // its second too, into the other buffer. At batch 1 a split's 64 keys are its two tiles, so after
+  // the wait only the query's own row is copied: the second tile's page lookup and copy, between the
+  // two tiles' scores after the wait, were ~2 us of the block's chain (docs/PERF.md).
   const bool early = a.pipelined && !a.sparse;
   const bool second_early = early && a.decode_step && hi - lo > kTile;
   if (early) {
