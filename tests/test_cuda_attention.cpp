@@ -380,6 +380,10 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(AttnCase{"full_gqa2_hd32", 8, 4, 32, false, 0, 0, 0, 0, 256, 200},
                       AttnCase{"full_gqa8_hd128", 16, 2, 128, false, 0, 0, 0, 0, 2048, 700},
                       AttnCase{"full_gqa1_hd64", 4, 4, 64, false, 0, 0, 0, 0, 1024, 500},
+                      // 16 heads a block, one key group: at 19 tokens the partial rows cap the splits
+                      // at 26 of 79 keys, so a decode split walks three tiles, the first two of them
+                      // copied before the PDL wait and the third in the walk's pipeline
+                      AttnCase{"full_gqa16_hd64_three_tile_splits", 32, 2, 64, false, 0, 0, 0, 0, 2048, 700},
                       // few narrow heads a KV group and a long cache: 16 key groups a block and still
                       // 4 splits at batch 1 (the groups' merge feeding the splits' merge)
                       AttnCase{"full_gqa2_hd32_long", 8, 4, 32, false, 0, 0, 0, 0, 4096, 1500},
