@@ -8,7 +8,8 @@
 # BENCHES  ;-separated argument lines of `tpmoe` (default: a 30-layer tp-8 rank at batch 1, 16, 64);
 #          each run's fusions-on rows are printed: batch, TPOT mean and p99 ms, ratio, launches.
 # ROUNDS   rounds (default 2).
-# TESTS    test executables to build and run on side B first (e.g. "test_cuda_attention").
+# TESTS    test executables to build and run on side B first (e.g. "test_cuda_attention"), each
+#          stopped after TEST_TIMEOUT seconds (default 300): a hang costs the call, not the session.
 # BUILD    the build folder (default build-gpu; scripts/device_build.sh configures it).
 # The patch is taken back out at the end, so the tree is left as it was found.
 set -uo pipefail
@@ -31,7 +32,7 @@ trap 'patch -p1 -R --quiet <"$patch_file"' EXIT
 scripts/device_build.sh "$build" tpmoe_cli ${TESTS:-} >"$out/build_b.log" 2>&1 ||
   { echo "side B: build failed, $out/build_b.log"; exit 1; }
 for t in ${TESTS:-}; do
-  "$build/$t" --gtest_brief=1 >"$out/$t.log" 2>&1
+  timeout "${TEST_TIMEOUT:-300}" "$build/$t" --gtest_brief=1 >"$out/$t.log" 2>&1
   echo "side B $t: rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/$t.log" | tr '\n' ' ')"
 done
 
