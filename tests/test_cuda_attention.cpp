@@ -3,8 +3,9 @@
 // one step) and decode (1, 3, 19 tokens, each in its own slot at its own position, over a cache
 // prefilled through both backends), GQA ratios 1, 2, 4, 8, 16, 20, head_dim 32/64/128/256 (so blocks
 // of one key group and of several, with and without splits after them: attention.cu), index block
-// sizes 8 and 64, topk 2 and 16, local 1 and 2. Every step also checks the cache rows exactly and,
-// on sparse layers, the kept-block sets against cpu::select_blocks. The cache is paged (16
+// sizes 8 and 64, topk 2 and 16, local 1 and 2. Every step also checks the cache rows exactly, the
+// splits' merge in a cluster against their merge through the workspace bit for bit and, on sparse
+// layers, the kept-block sets against cpu::select_blocks. The cache is paged (16
 // positions a page) with a shuffled page table, so a kernel that ignored the table (or read a
 // slot's positions as contiguous) would read other sequences' keys.
 //
@@ -225,13 +226,6 @@ class Harness {
     const double err = relative_l2(out_gpu, out_cpu);
     EXPECT_LT(err, kTolBf16) << "relative L2 of the attention output vs the CPU oracle";
 
-    // The arrival counters are back at zero for the next launch (each split's last block resets
-    // its row's): a leftover count would make a later launch merge before its splits are in.
-    std::vector<int32_t> arrivals(zeroed / sizeof(int32_t));
-    CUDA_CHECK(cudaMemcpy(arrivals.data(), dws.get(), zeroed, cudaMemcpyDeviceToHost));
-    EXPECT_EQ(size_t(std::count(arrivals.begin(), arrivals.end(), 0)), arrivals.size())
-        << "arrival counters left non-zero after the launch";
-
     // The same launch with every key read after the wait gives the same bits: when the keys are
     // read changes nothing else. (The cache write stores the same rows again.)
     if (decode_step) {
@@ -244,6 +238,29 @@ class Harness {
       EXPECT_EQ(std::memcmp(early.data(), after.data(), early.size() * sizeof(bf16)), 0)
           << "decode_step changed the attention output";
     }
+
+    // The splits merged through the workspace (the last to arrive merges) give the same bits as
+    // through a cluster's shared memory (split 0 merges), where the launch made clusters (2-8
+    // splits); elsewhere both launches take the workspace path.
+    {
+      DeviceBuffer<bf16> dout_ws(size_t(T) * nq * hd);
+      p.out = dout_ws.get();
+      p.decode_step = decode_step;
+      p.merge_splits_in_cluster = false;
+      cuda::launch_attention(p, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      p.merge_splits_in_cluster = true;
+      const std::vector<bf16> in_cluster = dout.download(), through_ws = dout_ws.download();
+      EXPECT_EQ(std::memcmp(in_cluster.data(), through_ws.data(), in_cluster.size() * sizeof(bf16)), 0)
+          << "the splits' merge in a cluster and through the workspace differ";
+    }
+
+    // The arrival counters are back at zero for the next launch (each split's last block resets
+    // its row's): a leftover count would make a later launch merge before its splits are in.
+    std::vector<int32_t> arrivals(zeroed / sizeof(int32_t));
+    CUDA_CHECK(cudaMemcpy(arrivals.data(), dws.get(), zeroed, cudaMemcpyDeviceToHost));
+    EXPECT_EQ(size_t(std::count(arrivals.begin(), arrivals.end(), 0)), arrivals.size())
+        << "arrival counters left non-zero after the launch";
 
     // Cache: the step's rows, and every row written by earlier steps, hold exactly the bf16 inputs.
     for (int t = 0; t < T; ++t) {
@@ -379,6 +396,10 @@ INSTANTIATE_TEST_SUITE_P(
     Cases, CudaAttention,
     ::testing::Values(AttnCase{"full_gqa2_hd32", 8, 4, 32, false, 0, 0, 0, 0, 256, 200},
                       AttnCase{"full_gqa8_hd128", 16, 2, 128, false, 0, 0, 0, 0, 2048, 700},
+                      // a tp-8 rank's full layer at a short context: bound 512, so 8 splits of 64 keys
+                      // at batch 1 and 19, merged in a cluster of 8, the splits past a query's position
+                      // exiting through the cluster's barriers
+                      AttnCase{"full_gqa8_hd128_bound512", 8, 1, 128, false, 0, 0, 0, 0, 2048, 400, 512},
                       AttnCase{"full_gqa1_hd64", 4, 4, 64, false, 0, 0, 0, 0, 1024, 500},
                       // 16 heads a block, one key group: at 19 tokens the partial rows cap the splits
                       // at 26 of 79 keys, so a decode split walks three tiles, the first two of them

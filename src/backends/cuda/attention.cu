@@ -44,14 +44,19 @@
 //    decode_step: every key below a query's position is an earlier step's), copies the keys below
 //    the query's position of its first two tiles, one a buffer; after the wait, only the query's
 //    own row.
-//    With one split the block writes the bf16 output directly. Otherwise each split writes its
-//    partials (m, l, acc[HD], fp32) to the workspace and counts itself in on the (token, block
-//    row)'s arrival counter; the block that arrives last - all the splits that ran (split s ran
-//    iff s*chunk <= pos) are in then - merges them in split order, writes bf16 and sets the
-//    counter back to zero for the next launch. The merge rides in the split kernel instead of a
+//    With one split the block writes the bf16 output directly. With 2-8 splits (a short context:
+//    decode at small batches) a (token, block row)'s splits are one thread-block cluster: each puts
+//    its partial state (m, l, acc[HD], fp32) into its own shared memory, and after a cluster barrier
+//    split 0 reads them through distributed shared memory and merges them in split order (split s
+//    ran iff s*chunk <= pos); a second barrier keeps the others resident while it reads. With more
+//    splits (long contexts; or merge_splits_in_cluster off) each split writes its partials to the
+//    workspace and counts itself in on the row's arrival counter; the block that arrives last - all
+//    the splits that ran are in then - merges them the same way from L2, writes bf16 and sets the
+//    counter back to zero for the next launch. Either merge rides in the split kernel instead of a
 //    launch of its own (a launch fewer a layer; the combine's 5.1 us link in a batch-1 step mostly
-//    moved into the last block's merge, docs/PERF.md). A query that sees no key at all (only
-//    possible with topk_blocks = 0) gets zeros (the CPU oracle gives NaN there).
+//    moved into the last block's merge, docs/PERF.md), and both give the same bits. A query that
+//    sees no key at all (only possible with topk_blocks = 0) gets zeros (the CPU oracle gives NaN
+//    there).
 //
 // Workspace layout (attention_workspace_bytes): [arrivals int32 kMaxPartialRows: zero between
 //   launches][kept int32 T*nih*topk][pad to 256 B][ml float2 T*nq*S][acc float T*nq*S*HD], the
@@ -66,6 +71,8 @@
 #include "backends/cuda/attention.cuh"
 
 #include "backends/cuda/kernel_utils.cuh"
+
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -87,6 +94,7 @@ constexpr int kMaxTopk = 256;       // kept blocks per (token, index head) the k
 // one block walking six tiles (12.5 us at 70 keys under Nsight Compute at the tp-8 rank).
 constexpr int kMinChunk = 64;
 constexpr int64_t kMaxPartialRows = 16384;  // (token, q head, split) partial rows, at most
+constexpr int kMaxClusterSplits = 8;        // splits a row merges in a cluster, at most: the portable cluster size
 constexpr int kSelectThreads = 256;
 constexpr int kCacheWriteThreads = 128;
 constexpr size_t kSmemOptInMax = 227 * 1024;  // sm_90 dynamic + static shared memory per block
@@ -418,6 +426,7 @@ struct SplitArgs {
   int key_groups;      // G: groups of `heads` warps walking the block's tiles side by side
   int pipelined;       // G == 1 only: two tile buffers, the next tile copied (cp.async) while one is scored
   int decode_step;     // AttentionKernelParams::decode_step: keys below pos may be read before the wait
+  int cluster_merge;   // the row's splits are one cluster (rank = split); split 0 merges them from shared memory
   __nv_bfloat16* out;  // written when num_splits == 1
   float2* ml;          // [T*nq][S] (m in log2 units, l)
   float* acc;          // [T*nq][S][HD]
@@ -506,6 +515,10 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   if (lo > pos) {  // uniform over the block; the merge skips this split, and it counts no arrival
     pdl_wait();
     pdl_trigger();
+    if (a.cluster_merge) {  // the cluster's two barriers below count every thread of every split
+      cooperative_groups::this_cluster().sync();
+      cooperative_groups::this_cluster().sync();
+    }
     return;
   }
   const int hi = min(lo + a.chunk, pos + 1);
@@ -752,6 +765,35 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
     for (int i = 0; i < kDpl; ++i) out[i] = __float2bfloat16(acc[i] * inv);
     return;
   }
+  // Splits that ran: split s ran iff s * chunk <= pos.
+  const int ran = min(a.num_splits, pos / a.chunk + 1);
+  if (a.cluster_merge) {
+    // Each split puts its state into its own shared memory (the first tile buffer's space: the walk
+    // is over), and split 0 merges them, in split order, through distributed shared memory: the
+    // partials' round trip through L2, the fence and the arrival count of the path below are gone.
+    namespace cg = cooperative_groups;
+    const cg::cluster_group cluster = cg::this_cluster();
+    float2* state_ml = reinterpret_cast<float2*>(buffer(0));
+    float* state_acc = reinterpret_cast<float*>(buffer(0) + Smem::kMergeAccOffset) + hw * HD + lane * kDpl;
+    __syncthreads();  // no warp still scores a tile or reads the key groups' states there
+    if (writer) {
+      if (lane == 0) state_ml[hw] = make_float2(m, l);
+#pragma unroll
+      for (int i = 0; i < kDpl; ++i) state_acc[i] = acc[i];
+    }
+    cluster.sync();  // every split's state is in its shared memory
+    if (split == 0 && writer) {
+      float denom, num[kDpl];
+      const float m_max = merge_states<kDpl, 4>(
+          ran, [&](int s) { return cluster.map_shared_rank(state_ml, s)[hw]; },
+          [&](int s, int i) { return cluster.map_shared_rank(state_acc, s)[i]; }, denom, num);
+#pragma unroll
+      for (int i = 0; i < kDpl; ++i) out[i] = __float2bfloat16(m_max != -INFINITY ? num[i] / denom : 0.f);
+    }
+    cluster.sync();  // no split leaves while split 0 reads its shared memory
+    return;
+  }
+
   const size_t prow = row * a.num_splits;
   if (writer) {
     if (lane == 0) a.ml[prow + split] = make_float2(m, l);
@@ -767,7 +809,6 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    const int ran = min(a.num_splits, pos / a.chunk + 1);
     int* arrivals = a.arrivals + size_t(t) * gridDim.y + blockIdx.y;
     last_s = atomicAdd(arrivals, 1) == ran - 1;
     if (last_s) *arrivals = 0;
@@ -777,7 +818,6 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   __threadfence();
   // The merge, in split order. L2 loads (__ldcg): the partials of other blocks were never in this
   // SM's L1, and must not be read from it.
-  const int ran = min(a.num_splits, pos / a.chunk + 1);
   const float2* ml = a.ml + prow;
   const float* partial_acc = a.acc + prow * HD + lane * kDpl;
   float denom, num[kDpl];
@@ -811,8 +851,8 @@ int choose_key_groups(int planned_splits, int heads) {
 // - their arrival counters and their partials in `partials` (the workspace past the kept blocks,
 // sized for the plan's splits, never fewer), then launches the split kernel.
 template <int HD>
-void launch_split(const SplitPlan& plan, int* arrivals, unsigned char* partials, int num_tokens, SplitArgs& a,
-                  KernelStream on) {
+void launch_split(const SplitPlan& plan, int* arrivals, unsigned char* partials, int num_tokens, bool merge_in_cluster,
+                  SplitArgs& a, KernelStream on) {
   const int most = choose_key_groups<HD>(plan.num_splits, a.heads);
   a.num_splits = int(ceil_div(plan.num_splits, most));
   a.key_groups = int(ceil_div(plan.num_splits, a.num_splits));
@@ -822,13 +862,15 @@ void launch_split(const SplitPlan& plan, int* arrivals, unsigned char* partials,
   a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(partials + align_up(rows * sizeof(float2))) : nullptr;
   a.arrivals = arrivals;
   const dim3 grid(unsigned(num_tokens), unsigned(a.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
+  a.cluster_merge = merge_in_cluster && a.num_splits > 1 && a.num_splits <= kMaxClusterSplits;
   a.pipelined =
       a.key_groups == 1 && SplitSmem<HD>::bytes(a.heads, 2) + (2 * kMaxTopk + 1) * sizeof(int) <= kSmemOptInMax;
   const size_t smem = SplitSmem<HD>::bytes(a.heads, a.pipelined ? 2 : a.key_groups);
   if (smem > 48 * 1024)
     CUDA_CHECK(
         cudaFuncSetAttribute(attention_split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  launch_pdl(attention_split_kernel<HD>, grid, dim3(unsigned(a.heads * a.key_groups * kWarp)), smem, on, a);
+  launch_pdl_clusters(attention_split_kernel<HD>, grid, dim3(unsigned(a.heads * a.key_groups * kWarp)), smem, on,
+                      a.cluster_merge ? unsigned(a.num_splits) : 1u, a);
 }
 
 }  // namespace
@@ -986,10 +1028,10 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   a.decode_step = p.decode_step ? 1 : 0;
   a.out = p.out;
   switch (p.head_dim) {
-    case 32: launch_split<32>(plan, arrivals, ws + kept_region, T, a, on); break;
-    case 64: launch_split<64>(plan, arrivals, ws + kept_region, T, a, on); break;
-    case 128: launch_split<128>(plan, arrivals, ws + kept_region, T, a, on); break;
-    case 256: launch_split<256>(plan, arrivals, ws + kept_region, T, a, on); break;
+    case 32: launch_split<32>(plan, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
+    case 64: launch_split<64>(plan, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
+    case 128: launch_split<128>(plan, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
+    case 256: launch_split<256>(plan, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
     default: check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim));
   }
 }

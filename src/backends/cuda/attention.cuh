@@ -45,6 +45,11 @@ struct AttentionKernelParams {
   // them before its PDL wait, while the kernel that stores this step's keys still runs. False (the
   // default): every key is read after the wait.
   bool decode_step = false;
+  // True (the default): where a row's splits are 2-8, they form a thread-block cluster and split 0
+  // merges their states from the others' shared memory. False: every split's state goes through the
+  // workspace and the last to arrive merges them (the path of more than 8 splits). Same bits either
+  // way; tests compare the two.
+  bool merge_splits_in_cluster = true;
   const int32_t* positions = nullptr;  // [T]
   const int32_t* seq_slots = nullptr;  // [T]
   int num_tokens = 0;
