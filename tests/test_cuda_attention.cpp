@@ -240,8 +240,8 @@ class Harness {
     }
 
     // The splits merged through the workspace (the last to arrive merges) give the same bits as
-    // through a cluster's shared memory (split 0 merges), where the launch made clusters (2-8
-    // splits); elsewhere both launches take the workspace path.
+    // in a cluster (the others push their states into split 0's shared memory, split 0 merges), where
+    // the launch made clusters (2-8 splits); elsewhere both launches take the workspace path.
     {
       DeviceBuffer<bf16> dout_ws(size_t(T) * nq * hd);
       p.out = dout_ws.get();
@@ -398,7 +398,7 @@ INSTANTIATE_TEST_SUITE_P(
                       AttnCase{"full_gqa8_hd128", 16, 2, 128, false, 0, 0, 0, 0, 2048, 700},
                       // a tp-8 rank's full layer at a short context: bound 512, so 8 splits of 64 keys
                       // at batch 1 and 19, merged in a cluster of 8, the splits past a query's position
-                      // exiting through the cluster's barriers
+                      // leaving after the cluster's barrier without pushing a state
                       AttnCase{"full_gqa8_hd128_bound512", 8, 1, 128, false, 0, 0, 0, 0, 2048, 400, 512},
                       AttnCase{"full_gqa1_hd64", 4, 4, 64, false, 0, 0, 0, 0, 1024, 500},
                       // 16 heads a block, one key group: at 19 tokens the partial rows cap the splits

@@ -45,10 +45,11 @@
 //    the query's position of its first two tiles, one a buffer; after the wait, only the query's
 //    own row.
 //    With one split the block writes the bf16 output directly. With 2-8 splits (a short context:
-//    decode at small batches) a (token, block row)'s splits are one thread-block cluster: each puts
-//    its partial state (m, l, acc[HD], fp32) into its own shared memory, and after a cluster barrier
-//    split 0 reads them through distributed shared memory and merges them in split order (split s
-//    ran iff s*chunk <= pos); a second barrier keeps the others resident while it reads. With more
+//    decode at small batches) a (token, block row)'s splits are one thread-block cluster: split 0
+//    sets up an mbarrier before the PDL wait that counts the bytes the other splits that ran (split
+//    s ran iff s*chunk <= pos) will push; each of them pushes its partial state (m, l, acc[HD],
+//    fp32) into a slot of split 0's shared memory (st.async, counted off that barrier) and leaves;
+//    split 0 waits for the bytes and merges the states with its own in split order. With more
 //    splits (long contexts; or merge_splits_in_cluster off) each split writes its partials to the
 //    workspace and counts itself in on the row's arrival counter; the block that arrives last - all
 //    the splits that ran are in then - merges them the same way from L2, writes bf16 and sets the
@@ -71,8 +72,6 @@
 #include "backends/cuda/attention.cuh"
 
 #include "backends/cuda/kernel_utils.cuh"
-
-#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -99,6 +98,8 @@ constexpr int kSelectThreads = 256;
 constexpr int kCacheWriteThreads = 128;
 constexpr size_t kSmemOptInMax = 227 * 1024;  // sm_90 dynamic + static shared memory per block
 constexpr size_t kSelectStaticSmem = 4096;    // bound on select_blocks_kernel's static arrays
+// Bound on attention_split_kernel's static shared memory: seg_start, seg_off, last_s, merge_bar.
+constexpr size_t kSplitStaticSmem = (2 * kMaxTopk + 2) * sizeof(int) + 2 * sizeof(uint64_t);
 constexpr size_t kAlign = 256;
 
 // Order-preserving map float -> uint32 (a < b  <=>  key(a) < key(b)); -0.0 is folded into +0.0
@@ -426,7 +427,8 @@ struct SplitArgs {
   int key_groups;      // G: groups of `heads` warps walking the block's tiles side by side
   int pipelined;       // G == 1 only: two tile buffers, the next tile copied (cp.async) while one is scored
   int decode_step;     // AttentionKernelParams::decode_step: keys below pos may be read before the wait
-  int cluster_merge;   // the row's splits are one cluster (rank = split); split 0 merges them from shared memory
+  int cluster_merge;   // the row's splits are one cluster (rank = split); split 0 collects and merges them
+  int push_offset;     // cluster_merge: dynamic shared memory bytes before split 0's slots of the pushed states
   __nv_bfloat16* out;  // written when num_splits == 1
   float2* ml;          // [T*nq][S] (m in log2 units, l)
   float* acc;          // [T*nq][S][HD]
@@ -449,6 +451,12 @@ struct SplitSmem {
   __host__ __device__ static size_t bytes(int heads, int key_groups) {
     return q_bytes(heads) + size_t(key_groups) * kGroupBytes;
   }
+  // The cluster merge: split 0's slot of split s >= 1 (after the tile space, at SplitArgs::push_offset)
+  // holds its (m, l) per head (kMaxWarps of them: the sums stay 16-byte aligned), then acc [heads][HD].
+  // Each active head pushes kPushedBytes into it.
+  static constexpr size_t kSlotMlBytes = kMaxWarps * sizeof(float2);
+  static constexpr uint32_t kPushedBytes = sizeof(float2) + HD * sizeof(float);
+  __host__ __device__ static size_t slot_bytes(int heads) { return kSlotMlBytes + size_t(heads) * HD * sizeof(float); }
 };
 
 // The merge of n partial softmax states of one head, in index order, as the split kernel merges both
@@ -511,14 +519,23 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
   const int kvh = blockIdx.y / a.head_chunks, head_chunk = blockIdx.y % a.head_chunks;
   const int split = blockIdx.z;
   const int pos = a.positions[t], slot = a.seq_slots[t];
+  // Splits that ran: split s ran iff s * chunk <= pos.
+  const int ran = min(a.num_splits, pos / a.chunk + 1);
+  // The cluster merge (below): split 0 sets up the barrier that counts the other splits' pushed
+  // states, here, before the PDL wait, so that passing the cluster barrier costs nothing later.
+  __shared__ uint64_t merge_bar;
+  if (a.cluster_merge) {
+    if (split == 0 && threadIdx.x == 0) {
+      const int heads_here = min(a.heads, a.group - head_chunk * kMaxWarps);  // active head warps
+      mbarrier_expect_bytes(&merge_bar, uint32_t(ran - 1) * uint32_t(heads_here) * Smem::kPushedBytes);
+    }
+    cluster_arrive_relaxed();
+  }
   const int lo = split * a.chunk;
   if (lo > pos) {  // uniform over the block; the merge skips this split, and it counts no arrival
     pdl_wait();
     pdl_trigger();
-    if (a.cluster_merge) {  // the cluster's two barriers below count every thread of every split
-      cooperative_groups::this_cluster().sync();
-      cooperative_groups::this_cluster().sync();
-    }
+    if (a.cluster_merge) cluster_wait();  // every thread that arrived waits before it leaves
     return;
   }
   const int hi = min(lo + a.chunk, pos + 1);
@@ -765,32 +782,36 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
     for (int i = 0; i < kDpl; ++i) out[i] = __float2bfloat16(acc[i] * inv);
     return;
   }
-  // Splits that ran: split s ran iff s * chunk <= pos.
-  const int ran = min(a.num_splits, pos / a.chunk + 1);
   if (a.cluster_merge) {
-    // Each split puts its state into its own shared memory (the first tile buffer's space: the walk
-    // is over), and split 0 merges them, in split order, through distributed shared memory: the
-    // partials' round trip through L2, the fence and the arrival count of the path below are gone.
-    namespace cg = cooperative_groups;
-    const cg::cluster_group cluster = cg::this_cluster();
-    float2* state_ml = reinterpret_cast<float2*>(buffer(0));
-    float* state_acc = reinterpret_cast<float*>(buffer(0) + Smem::kMergeAccOffset) + hw * HD + lane * kDpl;
-    __syncthreads();  // no warp still scores a tile or reads the key groups' states there
-    if (writer) {
-      if (lane == 0) state_ml[hw] = make_float2(m, l);
-#pragma unroll
-      for (int i = 0; i < kDpl; ++i) state_acc[i] = acc[i];
+    // Splits 1.. push their states into split 0's slots (st.async: remote shared memory, counted off
+    // split 0's barrier) and leave; split 0 waits for the bytes and merges them with its own, in split
+    // order: no partials through L2, no fence, no arrival count, no barrier the pushers wait on.
+    unsigned char* slots = split_smem + a.push_offset;
+    auto slot_of = [&](int s) { return slots + size_t(s - 1) * Smem::slot_bytes(a.heads); };
+    cluster_wait();  // split 0's barrier is set up (before the PDL wait: passed long since)
+    if (!writer) return;
+    if (split != 0) {
+      unsigned char* mine = slot_of(split);
+      const uint32_t bar = cluster_map(smem_addr(&merge_bar), 0);
+      if (lane == 0) {
+        const float ml[2] = {m, l};
+        push_floats<2>(cluster_map(smem_addr(mine + hw * sizeof(float2)), 0), ml, bar);
+      }
+      const float* sums = reinterpret_cast<const float*>(mine + Smem::kSlotMlBytes) + hw * HD + lane * kDpl;
+      push_floats<kDpl>(cluster_map(smem_addr(sums), 0), acc, bar);
+      return;
     }
-    cluster.sync();  // every split's state is in its shared memory
-    if (split == 0 && writer) {
-      float denom, num[kDpl];
-      const float m_max = merge_states<kDpl, 4>(
-          ran, [&](int s) { return cluster.map_shared_rank(state_ml, s)[hw]; },
-          [&](int s, int i) { return cluster.map_shared_rank(state_acc, s)[i]; }, denom, num);
+    mbarrier_wait_phase0(&merge_bar);
+    float denom, num[kDpl];
+    const float m_max = merge_states<kDpl, 4>(
+        ran, [&](int s) { return s == 0 ? make_float2(m, l) : reinterpret_cast<const float2*>(slot_of(s))[hw]; },
+        [&](int s, int i) {
+          return s == 0 ? acc[i]
+                        : reinterpret_cast<const float*>(slot_of(s) + Smem::kSlotMlBytes)[hw * HD + lane * kDpl + i];
+        },
+        denom, num);
 #pragma unroll
-      for (int i = 0; i < kDpl; ++i) out[i] = __float2bfloat16(m_max != -INFINITY ? num[i] / denom : 0.f);
-    }
-    cluster.sync();  // no split leaves while split 0 reads its shared memory
+    for (int i = 0; i < kDpl; ++i) out[i] = __float2bfloat16(m_max != -INFINITY ? num[i] / denom : 0.f);
     return;
   }
 
@@ -840,8 +861,7 @@ constexpr size_t kMaxTileReadsPerStep = 128 * 1024;
 // shared memory and its shared-memory reads a step. 1 where the plan has one split.
 template <int HD>
 int choose_key_groups(int planned_splits, int heads) {
-  constexpr size_t kStatic = (2 * kMaxTopk + 1) * sizeof(int);  // seg_start, seg_off
-  const size_t room = kSmemOptInMax - kStatic - SplitSmem<HD>::q_bytes(heads);
+  const size_t room = kSmemOptInMax - kSplitStaticSmem - SplitSmem<HD>::q_bytes(heads);
   const int by_smem = int(room / SplitSmem<HD>::kGroupBytes);
   const int by_reads = int(kMaxTileReadsPerStep / (size_t(heads) * 4 * kTile * HD));
   return std::max(1, std::min({planned_splits, kMaxBlockWarps / heads, by_smem, by_reads}));
@@ -862,10 +882,13 @@ void launch_split(const SplitPlan& plan, int* arrivals, unsigned char* partials,
   a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(partials + align_up(rows * sizeof(float2))) : nullptr;
   a.arrivals = arrivals;
   const dim3 grid(unsigned(num_tokens), unsigned(a.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
-  a.cluster_merge = merge_in_cluster && a.num_splits > 1 && a.num_splits <= kMaxClusterSplits;
-  a.pipelined =
-      a.key_groups == 1 && SplitSmem<HD>::bytes(a.heads, 2) + (2 * kMaxTopk + 1) * sizeof(int) <= kSmemOptInMax;
-  const size_t smem = SplitSmem<HD>::bytes(a.heads, a.pipelined ? 2 : a.key_groups);
+  a.pipelined = a.key_groups == 1 && SplitSmem<HD>::bytes(a.heads, 2) + kSplitStaticSmem <= kSmemOptInMax;
+  size_t smem = SplitSmem<HD>::bytes(a.heads, a.pipelined ? 2 : a.key_groups);
+  const size_t slots = size_t(a.num_splits - 1) * SplitSmem<HD>::slot_bytes(a.heads);
+  a.cluster_merge = merge_in_cluster && a.num_splits > 1 && a.num_splits <= kMaxClusterSplits &&
+                    smem + slots + kSplitStaticSmem <= kSmemOptInMax;
+  a.push_offset = int(smem);
+  if (a.cluster_merge) smem += slots;
   if (smem > 48 * 1024)
     CUDA_CHECK(
         cudaFuncSetAttribute(attention_split_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));

@@ -1,6 +1,6 @@
 // Helpers every kernel family shares: launch-argument checks, alignment, PDL launches, cp.async
-// copies, the bf16 tensor-core mma, warp reductions and the packing of eight bf16 values into one
-// 16-byte access. Device code plus a few host helpers.
+// copies, pushes into another CTA of a cluster, the bf16 tensor-core mma, warp reductions and the
+// packing of eight bf16 values into one 16-byte access. Device code plus a few host helpers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -96,6 +96,65 @@ __device__ __forceinline__ void cp_async_wait_group() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait_group<0>(); }
+
+// One CTA of a thread-block cluster collecting what the others push into its shared memory (sm_90).
+// The collector's thread sets up an mbarrier that completes once `bytes` have landed (its one
+// arrival is this call; each push counts its bytes off), and fences the initialisation for the
+// cluster. Every thread of every CTA then arrives on the cluster barrier (cluster_arrive_relaxed)
+// and waits on it (cluster_wait) before its first push or before it exits: the barrier is then set
+// up and every CTA has started. A push (st.async) needs no fence: the mbarrier's completion
+// releases the pushed bytes to the collector's threads that wait on it (mbarrier_wait_phase0).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;\n" ::: "memory"); }
+// The address, in the cluster's shared window, of this CTA's shared address `local` in the CTA of rank `rank`.
+__device__ __forceinline__ uint32_t cluster_map(uint32_t local, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(local), "r"(rank));
+  return remote;
+}
+// Stores N floats (1, 2, 4 or 8; 4N-byte aligned, 16 for 8) at cluster address `at`, counted off the
+// mbarrier at cluster address `bar`.
+template <int N>
+__device__ __forceinline__ void push_floats(uint32_t at, const float* v, uint32_t bar) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "push_floats: 1, 2, 4 or 8 floats");
+  if constexpr (N == 1) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];\n" ::"r"(at),
+                 "r"(__float_as_uint(v[0])), "r"(bar)
+                 : "memory");
+  } else if constexpr (N == 2) {
+    asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n" ::"r"(at),
+                 "r"(__float_as_uint(v[0])), "r"(__float_as_uint(v[1])), "r"(bar)
+                 : "memory");
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; i += 4)
+      asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
+                       at + 4 * i),
+                   "r"(__float_as_uint(v[i])), "r"(__float_as_uint(v[i + 1])), "r"(__float_as_uint(v[i + 2])),
+                   "r"(__float_as_uint(v[i + 3])), "r"(bar)
+                   : "memory");
+  }
+}
+// Returns once the mbarrier's first phase has completed (every expected byte landed).
+__device__ __forceinline__ void mbarrier_wait_phase0(uint64_t* bar) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], 0;\n selp.u32 %0, 1, 0, "
+        "p;\n}\n"
+        : "=r"(done)
+        : "r"(smem_addr(bar))
+        : "memory");
+  } while (!done);
+}
 
 // c += a b for one m16n8k16 tile: bf16 inputs, fp32 accumulators, in the fragment layout of the PTX
 // ISA's mma.m16n8k16 (a0..a3: rows g / g + 8, k 2t.. / 2t + 8..; b0, b1: column g, k 2t.. / 2t + 8..).
