@@ -460,14 +460,15 @@ struct SplitSmem {
 };
 
 // The merge of n partial softmax states of one head, in index order, as the split kernel merges both
-// its key groups (from shared memory) and its splits (from the workspace): ml(i) gives state i's
-// (m in log2 units, l), acc(i, d) its sum for this lane's head dim d. A state that saw no key (m =
-// -inf) is skipped. Returns the merged m and sets l and the sums (zeros where no state saw a key).
-// The first kAhead states are read all at once, before the max that their weights need: the merge of
-// the splits reads them from L2 (kAhead 4), and a short context's 2-4 splits then cost one round trip
-// instead of two. The arithmetic, and so the bits, are those of the plain two passes (kAhead 0: the
-// key groups' merge from shared memory, which has no round trip to save; reading ahead there too
-// measured the tiny preset's step ~1% slower, docs/PERF.md).
+// its key groups (from shared memory) and its splits (pushed into split 0's shared memory, or from
+// the workspace): ml(i) gives state i's (m in log2 units, l), acc(i, d) its sum for this lane's head
+// dim d. A state that saw no key (m = -inf) is skipped. Returns the merged m and sets l and the sums
+// (zeros where no state saw a key). The first kAhead states are read all at once, before the max
+// that their weights need: the workspace merge of the splits reads them from L2 (kAhead 4, as the
+// cluster merge does), and a short context's 2-4 splits then cost one round trip instead of two. The
+// arithmetic, and so the bits, are those of the plain two passes (kAhead 0: the key groups' merge
+// from shared memory, which has no round trip to save; reading ahead there too measured the tiny
+// preset's step ~1% slower, docs/PERF.md).
 template <int kDpl, int kAhead, class Ml, class Acc>
 __device__ __forceinline__ float merge_states(int n, Ml&& ml, Acc&& acc, float& l, float (&sums)[kDpl]) {
   float2 ml_ahead[kAhead > 0 ? kAhead : 1];
