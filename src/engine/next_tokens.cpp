@@ -1,6 +1,7 @@
 #include "engine/next_tokens.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 
 namespace tpmoe {
@@ -8,29 +9,32 @@ namespace tpmoe {
 std::vector<int32_t> greedy_ids(Ops& ops, Model& model, Tensor logits) {
   const int64_t R = logits.dim(0);
   const RankShard& shard = model.shard();
-  Tensor ids = ops.alloc_typed(R, 1, DType::kI32);
   if (!shard.vocab_parallel()) {
+    Tensor ids = ops.alloc_typed(R, 1, DType::kI32);
     ops.argmax(logits, ids, Tensor());
     return ops.ids_to_host(ids);
   }
-  Tensor values = ops.alloc_typed(R, 1, DType::kF32);
-  ops.argmax(logits, ids, values);
+  // This rank's winners, ids then their values' bits, in one buffer: one all-gather and one wait for
+  // the device a step, not two of each.
+  Tensor mine = ops.alloc_typed(2 * R, 1, DType::kI32);
+  ops.argmax(logits, Tensor::make(mine.data, DType::kI32, R, 1),
+             Tensor::make(mine.as<int32_t>() + R, DType::kF32, R, 1));
   const int tp = shard.tp;
-  Tensor all_ids = ops.alloc_typed(tp * R, 1, DType::kI32), all_values = ops.alloc_typed(tp * R, 1, DType::kF32);
-  model.comm().all_gather(ids, all_ids);
-  model.comm().all_gather(values, all_values);
-  const std::vector<int32_t> host_ids = ops.ids_to_host(all_ids);
-  const std::vector<float> host_values = ops.to_host(all_values);
+  Tensor all = ops.alloc_typed(tp * 2 * R, 1, DType::kI32);
+  model.comm().all_gather(mine, all);
+  const std::vector<int32_t> host = ops.ids_to_host(all);  // [rank][ids R | value bits R]
+  auto id = [&](int q, int64_t r) { return host[size_t(2 * q * R + r)]; };
+  auto value = [&](int q, int64_t r) { return std::bit_cast<float>(host[size_t((2 * q + 1) * R + r)]); };
   std::vector<int32_t> out(static_cast<size_t>(R));
   for (int64_t r = 0; r < R; ++r) {
     // NaN first, then the larger value, ties to the lower rank (the lower vocabulary index): what
     // one argmax over the whole row would choose.
     int best = 0;
     for (int q = 1; q < tp; ++q) {
-      const float v = host_values[size_t(q * R + r)], b = host_values[size_t(best * R + r)];
+      const float v = value(q, r), b = value(best, r);
       if (!std::isnan(b) && (std::isnan(v) || v > b)) best = q;
     }
-    out[r] = best * shard.vocab_size + host_ids[size_t(best * R + r)];
+    out[r] = best * shard.vocab_size + id(best, r);
   }
   return out;
 }
