@@ -456,6 +456,8 @@ struct SplitSmem {
   // Each active head pushes kPushedBytes into it.
   static constexpr size_t kSlotMlBytes = kMaxWarps * sizeof(float2);
   static constexpr uint32_t kPushedBytes = sizeof(float2) + HD * sizeof(float);
+  static_assert((kMaxClusterSplits - 1) * kMaxWarps * kPushedBytes < (1u << 20),
+                "split 0's barrier counts every pushed byte: at most 2^20 - 1 (an mbarrier's tx-count)");
   __host__ __device__ static size_t slot_bytes(int heads) { return kSlotMlBytes + size_t(heads) * HD * sizeof(float); }
 };
 

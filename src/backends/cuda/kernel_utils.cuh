@@ -82,12 +82,15 @@ void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, Ke
   launch_pdl_clusters(kernel, grid, block, smem, on, 1u, std::forward<Args>(args)...);
 }
 
+// The shared-state-space address of a pointer into this CTA's shared memory (what PTX shared::cta takes).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
+
 // 16 bytes global -> shared without the registers (cp.async.cg: L2 only); zeros where !valid. A
 // thread's copies since its last commit form a group; wait_group<N> returns when at most N of its
 // groups are still in flight (then a barrier makes every thread's copies visible to the block).
 __device__ __forceinline__ void cp_async16(void* smem, const void* global, bool valid) {
-  const unsigned dst = unsigned(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global), "r"(valid ? 16 : 0)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(smem)), "l"(global),
+               "r"(valid ? 16 : 0)
                : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -104,7 +107,6 @@ __device__ __forceinline__ void cp_async_wait_all() { cp_async_wait_group<0>(); 
 // and waits on it (cluster_wait) before its first push or before it exits: the barrier is then set
 // up and every CTA has started. A push (st.async) needs no fence: the mbarrier's completion
 // releases the pushed bytes to the collector's threads that wait on it (mbarrier_wait_phase0).
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return unsigned(__cvta_generic_to_shared(p)); }
 __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
