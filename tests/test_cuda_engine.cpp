@@ -70,6 +70,40 @@ TEST(CudaEngine, EmulatedMxfp8RankWithTheSharedExpertUnfusedMatchesTheCpuOracle)
   EXPECT_LT(steps, kModelTolerance);
 }
 
+// Decode steps queued behind the running one (the ids fed back on the device, recorded steps
+// replayed back to back) give the tokens one step at a time gives: one rank's argmax and rank 0 of a
+// vocab-parallel tp 8 (its winners combined on the device), a padded batch, sequences ending early.
+TEST(CudaEngine, OverlappedDecodeGivesTheTokensOfOneStepAtATime) {
+  TPMOE_REQUIRE_GPU();
+  for (int tp : {1, 8}) {
+    SCOPED_TRACE("emulated tp " + std::to_string(tp));
+    EngineOptions gpu;
+    gpu.device = "cuda";
+    gpu.emulate_tp = tp;
+    auto engine = Engine::from_preset("tiny", std::nullopt, 5, gpu);
+    GenerateRequest req = teacher_forced(512, 3);
+    req.forced_tokens.clear();
+    req.return_prefill_logits = req.return_step_logits = false;
+    req.max_new_tokens = 24;
+    auto both_ways = [&] {
+      req.overlap_decode = false;
+      const GenerateResult one_at_a_time = engine->generate(req);
+      req.overlap_decode = true;
+      const GenerateResult overlapped = engine->generate(req);
+      EXPECT_TRUE(overlapped.overlapped_decode);
+      EXPECT_EQ(overlapped.generated, one_at_a_time.generated);
+      EXPECT_EQ(overlapped.finish_reasons, one_at_a_time.finish_reasons);
+      return overlapped;
+    };
+    const GenerateResult full = both_ways();
+    ASSERT_EQ(full.generated[2].size(), 24u);
+    req.eos_token_ids = {full.generated[2][10]};  // sequence 2 ends at its 11th token, or before
+    const GenerateResult ended = both_ways();
+    EXPECT_LE(ended.generated[2].size(), 11u);
+    EXPECT_EQ(ended.finish_reasons[2], "stop");
+  }
+}
+
 TEST(CudaEngine, RoutingStatsCountTheRealSequencesOnly) {
   TPMOE_REQUIRE_GPU();
   const ModelConfig config = preset_config("tiny");

@@ -185,6 +185,49 @@ TEST(CudaSampling, GreedyRowsEqualTheArgmaxOp) {
   EXPECT_EQ(sampled[3], 0);
 }
 
+// A vocab-parallel step's winners combined on the device (as the CPU combines them: the argmax of
+// the whole row), kept, and fed back to the next step's embed for the rows that ask for them, as
+// the CPU embeds the same ids; the kept ids reach the host oldest first.
+TEST(CudaSampling, CombinedWinnersAreKeptAndFedBackToTheNextStep) {
+  TPMOE_REQUIRE_GPU();
+  const int R = 6, ranks = 4, slice = 50, V = ranks * slice, H = 64;
+  const test::GatheredWinners w = test::gathered_winners(test::random_floats(size_t(R) * V, 2.f, 9), R, ranks, slice);
+  cuda::CudaOps gpu(small_reserve());
+  cpu::CpuOps cpu;
+  DeviceBuffer<int32_t> d_gathered(w.gathered), d_ids(static_cast<size_t>(R));
+  gpu.combine_vocab_argmax(Tensor::make(d_gathered.get(), DType::kI32, int64_t(w.gathered.size()), 1), slice,
+                           Tensor::make(d_ids.get(), DType::kI32, R, 1));
+  gpu.keep_ids(Tensor::make(d_ids.get(), DType::kI32, R, 1));
+  std::vector<int32_t> want = w.want;
+  cpu.keep_ids(Tensor::make(want.data(), DType::kI32, R, 1));
+
+  CacheShape shape;
+  shape.max_seqs = R;
+  shape.max_len = 1;
+  shape.num_pages = R;
+  gpu.init_cache(shape);
+  cpu.init_cache(shape);
+  StepTokens step;
+  step.token_ids = {StepTokens::kFedBackId, 3, StepTokens::kFedBackId, V - 1, StepTokens::kFedBackId, 0};
+  step.positions.assign(size_t(R), 0);
+  for (int r = 0; r < R; ++r) step.seq_slots.push_back(r);
+  gpu.begin_step(step);
+  cpu.begin_step(step);
+  std::vector<float> table = test::round_bf16(test::random_floats(size_t(V) * H, 1.f, 10)), ref(size_t(R) * H);
+  DeviceBuffer<__nv_bfloat16> d_table(test::to_bf16(table));
+  DeviceBuffer<float> d_out(size_t(R) * H);
+  gpu.embed(Tensor::make(d_table.get(), DType::kBF16, V, H), Tensor::make(d_out.get(), DType::kF32, R, H));
+  cpu.embed(Tensor::make(table.data(), DType::kF32, V, H), Tensor::make(ref.data(), DType::kF32, R, H));
+
+  std::vector<int32_t> next = {7, 8, 9};
+  DeviceBuffer<int32_t> d_next(next);
+  gpu.keep_ids(Tensor::make(d_next.get(), DType::kI32, 3, 1));
+  EXPECT_EQ(gpu.take_kept_ids(), w.want);
+  EXPECT_EQ(gpu.take_kept_ids(), next);
+  EXPECT_THROW(gpu.take_kept_ids(), Error);
+  EXPECT_EQ(d_out.download(), ref);  // widening bf16 is exact: the rows of the same ids are equal
+}
+
 TEST(CudaSampling, SeedsReproduceAcrossBatches) {
   TPMOE_REQUIRE_GPU();
   // Row 0 of a batch of 1 and the same row inside a batch of 19 (other params around it) agree.

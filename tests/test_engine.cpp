@@ -330,6 +330,61 @@ TEST(Sampling, StopStringsCutTheStreamedTextOnEveryRank) {
   }
 }
 
+// Decode steps queued before the host reads the last step's ids (the ids fed back on the device)
+// give the tokens and endings that one step at a time gives: greedy and sampled, one rank and a
+// vocab-parallel pair (the winners combined by the ops), sequences ending early at an EOS id and a
+// request whose every sequence ends before its length (a queued step dropped). Where the host needs
+// the ids between steps (penalties), the steps do not overlap.
+TEST(OverlappedDecode, SameTokensAndEndingsAsOneStepAtATime) {
+  struct Case {
+    const char* name;
+    int tp, emulate_tp;
+  };
+  for (const Case& c : {Case{"tp 1", 1, 0}, Case{"tp 2", 2, 0}, Case{"emulated rank 0 of tp 2", 1, 2}}) {
+    SCOPED_TRACE(c.name);
+    EngineOptions o = cpu_options(c.tp);
+    o.emulate_tp = c.emulate_tp;
+    auto engine = Engine::from_preset("tiny", std::nullopt, kSeed, o);
+    auto both_ways = [&](GenerateRequest req, bool overlaps) {
+      req.overlap_decode = false;
+      const GenerateResult one_at_a_time = engine->generate(req);
+      EXPECT_FALSE(one_at_a_time.overlapped_decode);
+      req.overlap_decode = true;
+      const GenerateResult overlapped = engine->generate(req);
+      EXPECT_EQ(overlapped.overlapped_decode, overlaps);
+      EXPECT_EQ(overlapped.generated, one_at_a_time.generated);
+      EXPECT_EQ(overlapped.finish_reasons, one_at_a_time.finish_reasons);
+      EXPECT_EQ(overlapped.step_seconds.size(), one_at_a_time.step_seconds.size());
+      return overlapped;
+    };
+    GenerateRequest greedy = sampled_request(3);
+    greedy.sampling = SamplingParams{};
+    greedy.prompts.push_back({5, 5, 5});
+    const GenerateResult full = both_ways(greedy, true);
+    ASSERT_EQ(full.generated[1].size(), 12u);
+    // Sequence 1 ends at its fifth token while the others go on (unless they draw it too).
+    greedy.eos_token_ids = {full.generated[1][4]};
+    const GenerateResult ended = both_ways(greedy, true);
+    EXPECT_LE(ended.generated[1].size(), 5u);
+    EXPECT_EQ(ended.finish_reasons[1], "stop");
+    // Every sequence ends by its third token: the loop stops with a step queued behind the last.
+    greedy.eos_token_ids = {full.generated[0][2], full.generated[1][2], full.generated[2][2]};
+    const GenerateResult all_ended = both_ways(greedy, true);
+    for (const auto& g : all_ended.generated) EXPECT_LE(g.size(), 3u);
+    EXPECT_EQ(
+        all_ended.step_seconds.size(),
+        std::max({all_ended.generated[0].size(), all_ended.generated[1].size(), all_ended.generated[2].size()}) - 1);
+    // Sampled draws keyed by each sequence's own step count; penalties keep the steps apart.
+    both_ways(sampled_request(4), true);
+    GenerateRequest penalised = sampled_request(4);
+    penalised.sampling.presence_penalty = 0.5f;
+    both_ways(penalised, false);
+    // The engine is left as it was: a one-step request after all that.
+    greedy.max_new_tokens = 1;
+    EXPECT_EQ(engine->generate(greedy).generated[0].size(), 1u);
+  }
+}
+
 TEST(Sampling, BadParametersAreClearErrors) {
   auto engine = Engine::from_preset("tiny", std::nullopt, kSeed, cpu_options(1));
   GenerateRequest req = sampled_request(1);

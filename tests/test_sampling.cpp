@@ -308,6 +308,38 @@ TEST(Sampling, GreedyIsTheArgmax) {
   EXPECT_EQ(draw(std::vector<float>(logits.begin(), logits.begin() + V), make(1e-6f, 3, 0.5f), {}, 5, 1)[0], argmax[0]);
 }
 
+// The winners of a vocab-parallel step's ranks combine to the argmax of the whole row.
+TEST(Sampling, VocabParallelWinnersCombineToTheRowsArgmax) {
+  const int R = 6, ranks = 4, slice = 50;
+  const test::GatheredWinners w = test::gathered_winners(random_logits(R * ranks * slice, 2.0f, 8), R, ranks, slice);
+  cpu::CpuOps ops;
+  std::vector<int32_t> gathered = w.gathered, ids(R, -1);
+  ops.combine_vocab_argmax(Tensor::make(gathered.data(), DType::kI32, int64_t(gathered.size()), 1), slice,
+                           Tensor::make(ids.data(), DType::kI32, R, 1));
+  EXPECT_EQ(ids, w.want);
+  EXPECT_EQ(w.want[1], 1 * slice + 9);
+  EXPECT_EQ(w.want[2], 2 * slice + 5);
+  EXPECT_EQ(w.want[3], 0);
+}
+
+// Kept ids are taken oldest first, at most two wait, and a step cannot feed back ids never kept.
+TEST(Sampling, KeptIdsAreTakenInOrderAndBounded) {
+  cpu::CpuOps ops;
+  StepTokens step;
+  step.token_ids = {StepTokens::kFedBackId};
+  step.positions = {0};
+  step.seq_slots = {0};
+  EXPECT_THROW(ops.begin_step(step), Error);
+  EXPECT_THROW(ops.take_kept_ids(), Error);
+  std::vector<int32_t> a = {4, 5}, b = {6, 7}, c = {8};
+  ops.keep_ids(Tensor::make(a.data(), DType::kI32, 2, 1));
+  ops.keep_ids(Tensor::make(b.data(), DType::kI32, 2, 1));
+  EXPECT_THROW(ops.keep_ids(Tensor::make(c.data(), DType::kI32, 1, 1)), Error);
+  EXPECT_EQ(ops.take_kept_ids(), a);
+  EXPECT_EQ(ops.take_kept_ids(), b);
+  EXPECT_THROW(ops.take_kept_ids(), Error);
+}
+
 TEST(Sampling, GreedyNanWinsAsInTorch) {
   std::vector<float> row = {1.f, 3.f, std::nanf(""), 5.f};
   EXPECT_EQ(draw(row, SamplingParams{}, {}, 0, 1)[0], 2);

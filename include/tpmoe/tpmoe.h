@@ -64,6 +64,10 @@ struct GenerateRequest {
   // Count the distinct routed experts each decode step chose in each MoE layer (benchmarks: the
   // bandwidth floor counts the experts a step actually reads).
   bool record_routing = false;
+  // Decode step i + 1 is queued before the host has read step i's ids (the ids reach it on the
+  // device), where nothing the host decides depends on them: no penalties, stop strings, forced
+  // tokens, step logits or routing records. The same tokens either way; off: one step at a time.
+  bool overlap_decode = true;
 };
 
 struct GenerateResult {
@@ -73,13 +77,16 @@ struct GenerateResult {
   std::vector<std::vector<float>> step_logits;
   std::vector<std::vector<int32_t>> generated;  // [b][G]: argmax of each step
   double prefill_seconds = 0, decode_seconds = 0;
-  // [G-1]: wall time of each decode step (step 1 onward), host-synchronised by its argmax; prefill_seconds
-  // is the time to the first token.
+  // [G-1]: wall time of each decode step (step 1 onward), host-synchronised by its argmax. With
+  // overlap_decode, the time since the step before's ids reached the host: a step's time where the
+  // backend queues work (CUDA), the next step's on one that runs each op as it is called (the CPU).
+  // prefill_seconds is the time to the first token.
   std::vector<double> step_seconds;
   // [G-1][layer] with record_routing: distinct routed experts decode step i (from 1) chose in each
   // layer, over the real sequences (padding rows excluded); 0 for dense layers.
   std::vector<std::vector<int>> step_routed_experts;
-  int launches_per_step = 0;  // kernel launches of the last decode step (CUDA graphs; 0 on the CPU)
+  int launches_per_step = 0;       // kernel launches of the last decode step (CUDA graphs; 0 on the CPU)
+  bool overlapped_decode = false;  // the decode steps overlapped the host (GenerateRequest::overlap_decode)
   // Per sequence: why it ended ("stop": EOS, a stop token or string; "length": max_new_tokens) and,
   // with detokenize, its text (stop strings cut off). generated[b] ends at the stopping token.
   std::vector<std::string> finish_reasons;

@@ -496,6 +496,7 @@ struct BenchFlags {
   std::optional<int> prompt_len, new_tokens;
   int warmup = 1;
   bool compare_fusions = false;
+  std::string overlap = "on";
   std::string json;
 };
 
@@ -522,6 +523,7 @@ void run_bench(const BenchFlags& f) {
   o.prompt_len = f.prompt_len.value_or(cuda ? 128 : 32);
   o.new_tokens = f.new_tokens.value_or(cuda ? 64 : 32);
   o.warmup = f.warmup;
+  o.overlap_decode = f.overlap == "on";
   const EngineOptions eo = f.model.options();
   o.settings = f.compare_fusions ? all_fusion_settings()
                                  : std::vector<FusionSetting>{{eo.shared_expert_fusion, eo.allreduce_fusion}};
@@ -654,6 +656,10 @@ int main(int argc, char** argv) {
   b->add_flag("--compare-fusions", bf.compare_fusions, "run all four fusion settings and print each fusion's gain")
       ->excludes(b->get_option("--shared-expert-fusion"))
       ->excludes(b->get_option("--allreduce-fusion"));
+  b->add_option("--overlap", bf.overlap,
+                "queue each decode step before the host reads the last step's ids (the ids stay on the device), "
+                "on|off")
+      ->check(CLI::IsMember({"on", "off"}));
   b->add_option("--json", bf.json, "also write the table (full precision) to this JSON file");
 
   BenchServeFlags bsf;

@@ -27,7 +27,7 @@ double percentile(std::vector<double> v, double q) {
 
 namespace {
 
-GenerateRequest bench_request(int batch, int prompt_len, int new_tokens) {
+GenerateRequest bench_request(int batch, int prompt_len, int new_tokens, bool overlap_decode) {
   GenerateRequest req;
   for (int b = 0; b < batch; ++b) {
     std::vector<int32_t> p;
@@ -36,7 +36,7 @@ GenerateRequest bench_request(int batch, int prompt_len, int new_tokens) {
   }
   req.max_new_tokens = new_tokens;
   req.return_step_logits = false;
-  req.record_routing = true;  // the floor counts the experts each step actually read
+  req.overlap_decode = overlap_decode;
   return req;
 }
 
@@ -117,6 +117,9 @@ BenchReport run_bench(const BenchOptions& o) {
   report.prompt_len = o.prompt_len;
   report.new_tokens = o.new_tokens;
   report.warmup = o.warmup;
+  // On the CPU every op has run when it returns: nothing to overlap, and the time between two steps'
+  // ids would be the work of the step queued behind them.
+  report.overlap_decode = o.overlap_decode && o.device == "cuda";
   if (o.model_dir.empty()) {
     const ModelConfig config = preset_config(o.preset, o.layers);
     report.model = fmt::format("preset {}, {} layers{}", o.preset, config.num_layers,
@@ -172,13 +175,23 @@ BenchReport run_bench(const BenchOptions& o) {
       ++done;
       progress(fmt::format("[{}/{}] fusions {} batch {}: {} warm-up + 1 measured generate ...", done, total, s.label(),
                            batch, o.warmup));
-      const GenerateRequest req = bench_request(batch, o.prompt_len, o.new_tokens);
+      const GenerateRequest req = bench_request(batch, o.prompt_len, o.new_tokens, report.overlap_decode);
       for (int w = 0; w < o.warmup; ++w) engine->generate(req);
       const GenerateResult r = engine->generate(req);
+      // The experts each step read: recorded in a run of its own, since the record waits for the
+      // device after every step (the timed run's steps overlap the host). The same tokens, so the
+      // same experts.
+      GenerateRequest routed_req = req;
+      routed_req.record_routing = true;
+      const GenerateResult routed = engine->generate(routed_req);
       report.primary = engine->is_primary();
       if (!report.primary) continue;  // under mpirun, rank 0's process measures and reports
       TPMOE_CHECK(int(r.step_seconds.size()) == o.new_tokens - 1, "bench: {} decode step times for {} steps",
                   r.step_seconds.size(), o.new_tokens - 1);
+      TPMOE_CHECK(r.overlapped_decode == report.overlap_decode, "bench: the timed run's decode steps {} the host",
+                  r.overlapped_decode ? "overlapped" : "did not overlap");
+      TPMOE_CHECK(routed.generated == r.generated,
+                  "bench: the run that records routing generated other tokens than the timed run");
       const std::vector<double> tpot(r.step_seconds.begin() + 1, r.step_seconds.end());
 
       BenchRow row;
@@ -196,12 +209,12 @@ BenchReport run_bench(const BenchOptions& o) {
       row.launches_per_step = r.launches_per_step;
       row.tokens_per_s = batch / mean_s;
       // The bytes each timed step had to read: the experts its router actually chose.
-      TPMOE_CHECK(r.step_routed_experts.size() == r.step_seconds.size(), "bench: routing of {} steps for {} steps",
-                  r.step_routed_experts.size(), r.step_seconds.size());
+      TPMOE_CHECK(routed.step_routed_experts.size() == r.step_seconds.size(), "bench: routing of {} steps for {} steps",
+                  routed.step_routed_experts.size(), r.step_seconds.size());
       double bytes = 0;
-      for (size_t i = 1; i < r.step_routed_experts.size(); ++i)
-        bytes += engine->decode_weight_bytes(batch, &r.step_routed_experts[i]);
-      bytes /= double(r.step_routed_experts.size() - 1);
+      for (size_t i = 1; i < routed.step_routed_experts.size(); ++i)
+        bytes += engine->decode_weight_bytes(batch, &routed.step_routed_experts[i]);
+      bytes /= double(routed.step_routed_experts.size() - 1);
       row.gb_per_step = bytes / 1e9;
       row.floor_ms = bytes / bandwidth * 1e3;
       row.ratio = row.tpot_mean_ms / row.floor_ms;
@@ -241,8 +254,10 @@ std::string format_bench(const BenchReport& rep) {
   s += fmt::format(
       "protocol: {} warm-up generate(s) per row, then one measured generate; TTFT = prefill of the batch; "
       "step1 = first decode step (records the CUDA graph on cuda), not in TPOT; TPOT over the {} steps after it; "
-      "tokens/s = batch / TPOT mean\n",
-      rep.warmup, rep.new_tokens - 2);
+      "tokens/s = batch / TPOT mean; decode steps {}; the experts each step read are recorded in one more generate "
+      "of the same tokens\n",
+      rep.warmup, rep.new_tokens - 2,
+      rep.overlap_decode ? "overlap the host (step i + 1 queued before step i's ids reach it)" : "one at a time");
   s += "floor = weight bytes a step must read (the routed experts each timed step's router chose, the shared ones, "
        "every dense weight, the batch's embedding rows; mean over the timed steps) / read bandwidth; ratio = TPOT "
        "mean / floor, >= 1 up to measurement noise\n";
@@ -312,6 +327,7 @@ nlohmann::json bench_json(const BenchReport& rep) {
   j["prompt_len"] = rep.prompt_len;
   j["new_tokens"] = rep.new_tokens;
   j["warmup"] = rep.warmup;
+  j["overlap_decode"] = rep.overlap_decode;
   j["copy_bandwidth_gbs"] = rep.copy_bandwidth_gbs;
   j["read_bandwidth_gbs"] = rep.read_bandwidth_gbs;
   j["weights_gib_per_rank"] = rep.weights_gib_per_rank;

@@ -48,8 +48,9 @@ struct BenchOptions {
   int shared_fusion_max_tokens = -1;    // EngineOptions::shared_fusion_max_tokens
   std::vector<int> batches;             // empty: default_batches(device)
   int prompt_len = 32;
-  int new_tokens = 32;  // G >= 3: G - 1 decode steps, G - 2 of them timed as TPOT
-  int warmup = 1;       // warm-up generates per (setting, batch)
+  int new_tokens = 32;         // G >= 3: G - 1 decode steps, G - 2 of them timed as TPOT
+  int warmup = 1;              // warm-up generates per (setting, batch)
+  bool overlap_decode = true;  // GenerateRequest::overlap_decode of the timed generates (cuda only)
   std::vector<FusionSetting> settings = {FusionSetting{}};
   std::FILE* progress = stderr;  // progress lines; nullptr: quiet
 };
@@ -92,6 +93,7 @@ struct BenchReport {
   std::string model;  // "preset m3, 4 layers" or the checkpoint directory
   std::string device;
   int tp = 1, prompt_len = 0, new_tokens = 0, warmup = 0;
+  bool overlap_decode = true;                // the timed generates overlapped their decode steps with the host
   int emulate_tp = 0;                        // > 0: the rows time rank 0 of a tp-N group alone (no communication)
   std::string shared_expert_plan;            // the fusion plan's shared-expert decision with the fusion on
   double read_bandwidth_gbs = 0;             // measured read-only stream: the floor's ceiling

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <optional>
 
 #include "core/error.h"
 #include "engine/next_tokens.h"
@@ -91,14 +92,24 @@ class Sequences {
   // token nobody uses). Collective.
   std::vector<int32_t> next_ids(Ops& ops, Model& model, Tensor logits, const std::vector<int>& row_seq) {
     if (plain_greedy_) return greedy_ids(ops, model, logits);
-    SampleBatchBuilder builder;
-    for (int b : row_seq) {
-      if (b < 0 || finished(b))
-        builder.add_greedy_row();
-      else
-        builder.add_row(params_, sequence_seed(seed_, uint32_t(b)), uint32_t(generated_[b].size()), penalties_[b]);
-    }
-    return sampled_ids(ops, model, logits, builder.batch());
+    return sampled_ids(ops, model, logits, sample_batch(row_seq, std::nullopt));
+  }
+
+  // True when nothing the host decides about a step depends on the ids of the step before, other
+  // than which sequences have ended: no penalties (they count the generated ids), no stop strings
+  // (they need the text, and the ranks agree on them between steps), no forced tokens. Then decode
+  // step i+1 may be queued before the host has read step i's ids (generate_on_rank).
+  bool steps_may_overlap() const {
+    return !penalties_.front().active() && params_.stop.empty() && req_.forced_tokens.empty();
+  }
+
+  // next_ids for a step queued before the host has read the ids of the step before: they stay on the
+  // device. Every sequence still running has generated `generated_so_far` tokens before this step
+  // (the host may have appended fewer of them yet); the draw of a row is keyed by that count.
+  Tensor next_ids_on_device(Ops& ops, Model& model, Tensor logits, const std::vector<int>& row_seq,
+                            uint32_t generated_so_far) {
+    if (plain_greedy_) return greedy_ids_on_device(ops, model, logits);
+    return sampled_ids_on_device(ops, model, logits, sample_batch(row_seq, generated_so_far));
   }
 
   // Appends sequence b's next token (forced, or drawn) and applies the stop checks that need no
@@ -141,6 +152,18 @@ class Sequences {
   }
 
  private:
+  SampleBatch sample_batch(const std::vector<int>& row_seq, std::optional<uint32_t> generated_so_far) const {
+    SampleBatchBuilder builder;
+    for (int b : row_seq) {
+      if (b < 0 || finished(b))
+        builder.add_greedy_row();
+      else
+        builder.add_row(params_, sequence_seed(seed_, uint32_t(b)),
+                        generated_so_far.value_or(uint32_t(generated_[b].size())), penalties_[b]);
+    }
+    return builder.batch();
+  }
+
   void finish(int b, FinishReason f) {
     finish_[b] = f;
     if (primary_ && req_.detokenize && f != FinishReason::kStopString) emit(b, stops_[b].flush());
@@ -217,14 +240,14 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
   const int rows = ops.records_steps() ? decode_bucket(B) : B;
   std::vector<int> decode_row_seq;
   for (int b = 0; b < rows; ++b) decode_row_seq.push_back(b < B ? b : -1);
-  std::vector<double> step_seconds;
-  step_seconds.reserve(size_t(std::max(0, G - 1)));
-  for (int i = 1; i < G && !seqs.all_finished(); ++i) {
-    const auto step_start = std::chrono::steady_clock::now();
+  // Step i's tokens: a running sequence feeds its token of step i - 1 at position P_b + i - 1; with
+  // `fed_back` that token stays on the device (StepTokens::kFedBackId).
+  auto decode_tokens = [&](int i, bool fed_back) {
     StepTokens d;
     for (int b = 0; b < rows; ++b) {
       const bool live = b < B && !seqs.finished(b);
       d.token_ids.push_back(!live                       ? 0
+                            : fed_back                  ? StepTokens::kFedBackId
                             : req.forced_tokens.empty() ? seqs.generated()[b][i - 1]
                                                         : req.forced_tokens[b][i - 1]);
       d.positions.push_back(live ? int(req.prompts[b].size()) + i - 1 : 0);
@@ -232,6 +255,51 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
       d.logit_rows.push_back(b);
     }
     d.num_padding = rows - B;
+    return d;
+  };
+  std::vector<double> step_seconds;
+  step_seconds.reserve(size_t(std::max(0, G - 1)));
+  const bool overlap = req.overlap_decode && seqs.steps_may_overlap() && !req.return_step_logits && !req.record_routing;
+  if (overlap && G > 1 && !seqs.all_finished()) {
+    // Step i + 1 is queued before the host reads step i's ids, so the device never waits for the
+    // host between steps: a running sequence's token reaches the next step on the device. A sequence
+    // that ends at step i still runs in step i + 1 (its result is dropped); after the last step one
+    // queued step is run for nothing. A step's time is the time between the arrivals of two steps' ids.
+    StepTokens queued[2];  // the step running and the one behind it outlive their begin_step
+    struct KeptIds {       // what is kept and not taken is taken on the way out, an error's way too
+      Ops& ops;
+      int pending = 0;
+      ~KeptIds() {
+        try {
+          for (; pending > 0; --pending) ops.take_kept_ids();
+        } catch (...) {
+        }
+      }
+    } kept{ops};
+    auto queue_step = [&](int i) {
+      StepTokens& d = queued[i % 2];
+      d = decode_tokens(i, /*fed_back=*/i > 1);
+      ops.begin_step(d);
+      logits = ops.run_step(rows, [&] { return model.forward(d); });
+      ops.keep_ids(seqs.next_ids_on_device(ops, model, logits, decode_row_seq, uint32_t(i)));
+      ++kept.pending;
+    };
+    auto last = std::chrono::steady_clock::now();
+    queue_step(1);
+    for (int i = 1; i < G; ++i) {
+      if (i + 1 < G) queue_step(i + 1);
+      const std::vector<int32_t> ids = ops.take_kept_ids();
+      --kept.pending;
+      for (int b = 0; b < B; ++b) seqs.append(b, ids[b]);
+      const auto now = std::chrono::steady_clock::now();
+      step_seconds.push_back(std::chrono::duration<double>(now - last).count());
+      last = now;
+      if (seqs.all_finished()) break;  // a step queued behind this one is taken by `kept`
+    }
+  }
+  for (int i = 1; !overlap && i < G && !seqs.all_finished(); ++i) {
+    const auto step_start = std::chrono::steady_clock::now();
+    const StepTokens d = decode_tokens(i, /*fed_back=*/false);
     ops.begin_step(d);
     logits = ops.run_step(rows, [&] { return model.forward(d); });
     next = seqs.next_ids(ops, model, logits, decode_row_seq);
@@ -256,6 +324,7 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
     out->decode_seconds = std::chrono::duration<double>(t2 - t1).count();
     out->step_seconds = std::move(step_seconds);
     out->launches_per_step = ops.last_step_launches();
+    out->overlapped_decode = overlap && G > 1;
   }
 }
 

@@ -1,42 +1,27 @@
 #include "engine/next_tokens.h"
 
-#include <algorithm>
-#include <bit>
-#include <cmath>
-
 namespace tpmoe {
 
-std::vector<int32_t> greedy_ids(Ops& ops, Model& model, Tensor logits) {
+Tensor greedy_ids_on_device(Ops& ops, Model& model, Tensor logits) {
   const int64_t R = logits.dim(0);
   const RankShard& shard = model.shard();
+  Tensor ids = ops.alloc_typed(R, 1, DType::kI32);
   if (!shard.vocab_parallel()) {
-    Tensor ids = ops.alloc_typed(R, 1, DType::kI32);
     ops.argmax(logits, ids, Tensor());
-    return ops.ids_to_host(ids);
+    return ids;
   }
-  // This rank's winners, ids then their values' bits, in one buffer: one all-gather and one wait for
-  // the device a step, not two of each.
+  // This rank's winners, ids then their values' bits, in one buffer: one all-gather a step.
   Tensor mine = ops.alloc_typed(2 * R, 1, DType::kI32);
   ops.argmax(logits, Tensor::make(mine.data, DType::kI32, R, 1),
              Tensor::make(mine.as<int32_t>() + R, DType::kF32, R, 1));
-  const int tp = shard.tp;
-  Tensor all = ops.alloc_typed(tp * 2 * R, 1, DType::kI32);
+  Tensor all = ops.alloc_typed(shard.tp * 2 * R, 1, DType::kI32);
   model.comm().all_gather(mine, all);
-  const std::vector<int32_t> host = ops.ids_to_host(all);  // [rank][ids R | value bits R]
-  auto id = [&](int q, int64_t r) { return host[size_t(2 * q * R + r)]; };
-  auto value = [&](int q, int64_t r) { return std::bit_cast<float>(host[size_t((2 * q + 1) * R + r)]); };
-  std::vector<int32_t> out(static_cast<size_t>(R));
-  for (int64_t r = 0; r < R; ++r) {
-    // NaN first, then the larger value, ties to the lower rank (the lower vocabulary index): what
-    // one argmax over the whole row would choose.
-    int best = 0;
-    for (int q = 1; q < tp; ++q) {
-      const float v = value(q, r), b = value(best, r);
-      if (!std::isnan(b) && (std::isnan(v) || v > b)) best = q;
-    }
-    out[r] = best * shard.vocab_size + id(best, r);
-  }
-  return out;
+  ops.combine_vocab_argmax(all, shard.vocab_size, ids);
+  return ids;
+}
+
+std::vector<int32_t> greedy_ids(Ops& ops, Model& model, Tensor logits) {
+  return ops.ids_to_host(greedy_ids_on_device(ops, model, logits));
 }
 
 Tensor full_logits_on_device(Ops& ops, Model& model, Tensor logits) {
@@ -64,11 +49,15 @@ std::vector<float> full_logits_to_host(Ops& ops, Model& model, Tensor logits) {
   return out;
 }
 
-std::vector<int32_t> sampled_ids(Ops& ops, Model& model, Tensor logits, const SampleBatch& batch) {
+Tensor sampled_ids_on_device(Ops& ops, Model& model, Tensor logits, const SampleBatch& batch) {
   Tensor full = full_logits_on_device(ops, model, logits);
   Tensor ids = ops.alloc_typed(full.dim(0), 1, DType::kI32);
   ops.sample(full, batch, ids);
-  return ops.ids_to_host(ids);
+  return ids;
+}
+
+std::vector<int32_t> sampled_ids(Ops& ops, Model& model, Tensor logits, const SampleBatch& batch) {
+  return ops.ids_to_host(sampled_ids_on_device(ops, model, logits, batch));
 }
 
 }  // namespace tpmoe

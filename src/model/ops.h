@@ -21,6 +21,9 @@ namespace tpmoe {
 // The tokens of one forward step, flattened over sequences: prefill of several prompts and decode
 // of a batch are the same thing (token t belongs to cache slot seq_slot[t] at position position[t]).
 struct StepTokens {
+  // kFedBackId (decode steps that overlap the host): the id this token's row drew in the step
+  // before, as the backend kept it (Ops::keep_ids), which the host has not seen yet.
+  static constexpr int32_t kFedBackId = -1;
   std::vector<int32_t> token_ids;
   std::vector<int32_t> positions;
   std::vector<int32_t> seq_slots;
@@ -275,6 +278,18 @@ class Ops {
   virtual void copy_columns(Tensor src, Tensor dst, int64_t col_offset) = 0;
   // dst[i] = ids[i] (int32), from the host.
   virtual void upload_ids(const std::vector<int32_t>& ids, Tensor dst) = 0;
+  // The greedy ids of a vocab-parallel step from every rank's winners, gathered as [rank][ids R |
+  // value bits R] (int32; a rank's ids are local to its slice of slice_size): ids[r] = the winner
+  // of the rank with the largest value, NaN first, ties to the lower rank (the lower vocabulary
+  // index), so what one argmax over the whole row gives.
+  virtual void combine_vocab_argmax(Tensor gathered, int64_t slice_size, Tensor ids) = 0;
+
+  // Decode steps that overlap the host: keep_ids(ids) keeps a step's drawn ids[R] (int32) where the
+  // next begin_step finds them (its token t, where kFedBackId, takes ids[t]) and starts their
+  // copy to the host; take_kept_ids() waits for the oldest kept ids not yet taken and returns them.
+  // At most two may be kept and not taken (the step running and the one queued behind it).
+  virtual void keep_ids(Tensor ids) = 0;
+  virtual std::vector<int32_t> take_kept_ids() = 0;
 
   // Host copies (these wait for the backend: not inside a captured step).
   virtual std::vector<float> to_host(Tensor t) = 0;

@@ -1,6 +1,7 @@
 #include "backends/cpu/cpu_ops.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -102,9 +103,20 @@ void CpuOps::init_cache(const CacheShape& shape) {
 
 void CpuOps::begin_step(const StepTokens& step) {
   workspace_.clear();
-  if (recorder_) recorder_->begin_step(step);
-  check_step_fits_cache(step, cache_shape_);
   step_ = &step;
+  if (std::ranges::find(step.token_ids, StepTokens::kFedBackId) != step.token_ids.end()) {
+    TPMOE_CHECK(!kept_ids_.empty(), "a step feeds back the last step's ids, but none were kept");
+    const std::vector<int32_t>& fed = kept_ids_.back();
+    fed_step_ = step;
+    for (size_t t = 0; t < fed_step_.token_ids.size(); ++t)
+      if (fed_step_.token_ids[t] == StepTokens::kFedBackId) {
+        TPMOE_CHECK(t < fed.size(), "token {} of the step feeds back an id, but the last step kept {}", t, fed.size());
+        fed_step_.token_ids[t] = fed[t];
+      }
+    step_ = &fed_step_;
+  }
+  if (recorder_) recorder_->begin_step(*step_);
+  check_step_fits_cache(*step_, cache_shape_);
 }
 
 void CpuOps::embed(Tensor table, Tensor out) {
@@ -351,6 +363,30 @@ void CpuOps::copy_columns(Tensor src, Tensor dst, int64_t col_offset) {
 
 void CpuOps::upload_ids(const std::vector<int32_t>& ids, Tensor dst) {
   std::memcpy(dst.data, ids.data(), sizeof(int32_t) * ids.size());
+}
+
+void CpuOps::combine_vocab_argmax(Tensor gathered, int64_t slice_size, Tensor ids) {
+  const int64_t R = ids.numel(), tp = gathered.numel() / (2 * R);
+  const int32_t* all = gathered.as<int32_t>();
+  for (int64_t r = 0; r < R; ++r) {
+    auto value = [&](int64_t q) { return std::bit_cast<float>(all[(2 * q + 1) * R + r]); };
+    int64_t best = 0;
+    for (int64_t q = 1; q < tp; ++q)
+      if (!std::isnan(value(best)) && (std::isnan(value(q)) || value(q) > value(best))) best = q;
+    ids.as<int32_t>()[r] = int32_t(best * slice_size + all[2 * best * R + r]);
+  }
+}
+
+void CpuOps::keep_ids(Tensor ids) {
+  TPMOE_CHECK(kept_ids_.size() < 2, "keep_ids: two steps' ids kept and not taken");
+  kept_ids_.emplace_back(ids.as<int32_t>(), ids.as<int32_t>() + ids.numel());
+}
+
+std::vector<int32_t> CpuOps::take_kept_ids() {
+  TPMOE_CHECK(!kept_ids_.empty(), "take_kept_ids: no ids kept");
+  std::vector<int32_t> ids = std::move(kept_ids_.front());
+  kept_ids_.pop_front();
+  return ids;
 }
 
 std::vector<int32_t> CpuOps::ids_to_host(Tensor ids) { return {ids.as<int32_t>(), ids.as<int32_t>() + ids.numel()}; }

@@ -3,6 +3,7 @@
 // the fly), OpenMP across output rows. Clarity first: each op is written the way SPEC §1 states it.
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -39,6 +40,9 @@ class CpuOps final : public Ops {
   void sample(Tensor logits, const SampleBatch& batch, Tensor ids) override;  // in cpu_sampling.cpp
   void copy_columns(Tensor src, Tensor dst, int64_t col_offset) override;
   void upload_ids(const std::vector<int32_t>& ids, Tensor dst) override;
+  void combine_vocab_argmax(Tensor gathered, int64_t slice_size, Tensor ids) override;
+  void keep_ids(Tensor ids) override;
+  std::vector<int32_t> take_kept_ids() override;
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
@@ -53,6 +57,8 @@ class CpuOps final : public Ops {
     std::vector<float> index_k;  // [max_seqs][max_len][index_head_dim], sparse layers only
   };
   const StepTokens* step_ = nullptr;
+  StepTokens fed_step_;                        // the current step with its kFedBackId tokens resolved, where it had any
+  std::deque<std::vector<int32_t>> kept_ids_;  // keep_ids, oldest first; the last one feeds the next step
   CacheShape cache_shape_;
   std::vector<LayerCache> cache_;
   std::vector<std::unique_ptr<std::byte[]>> workspace_;

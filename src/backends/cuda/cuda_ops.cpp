@@ -126,6 +126,9 @@ CudaOps::CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options)
   seq_slots_ = step_device_ + 2 * reserve.max_tokens;
   logit_rows_ = step_device_ + 3 * reserve.max_tokens;
   num_real_tokens_ = step_device_ + 4 * reserve.max_tokens;
+  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&fed_ids_), sizeof(int32_t) * reserve.max_tokens));
+  CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&kept_pinned_), 2 * sizeof(int32_t) * reserve.max_tokens));
+  for (cudaEvent_t& e : kept_copied_) CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   if (options.kernel_timeline) {
     timeline_ = std::make_unique<KernelTimeline>();
     timeline_->start();  // before any graph is recorded, so that every replay's kernels are seen
@@ -172,6 +175,9 @@ CudaOps::~CudaOps() {
   cudaFree(routed_);
   cudaFreeHost(step_pinned_);
   cudaEventDestroy(step_uploaded_);
+  cudaFree(fed_ids_);
+  cudaFreeHost(kept_pinned_);
+  for (cudaEvent_t e : kept_copied_) cudaEventDestroy(e);
   cudaStreamDestroy(stream_);
 }
 
@@ -260,6 +266,9 @@ void CudaOps::begin_step(const StepTokens& step) {
   TPMOE_CHECK(T <= reserve_.max_tokens, "CUDA backend: a step of {} tokens exceeds the {} reserved", T,
               reserve_.max_tokens);
   check_step_fits_cache(step, cache_shape_);
+  for (int t = 0; t < T; ++t)
+    TPMOE_CHECK(step.token_ids[t] != StepTokens::kFedBackId || t < fed_count_,
+                "token {} of the step feeds back the last step's id, but {} ids were kept", t, fed_count_);
   // The previous step's uploads have left the pinned buffers (a step without host reads, e.g. a
   // prefill chunk that wants no logits, has not synchronised the stream).
   CUDA_CHECK(cudaEventSynchronize(step_uploaded_));
@@ -336,7 +345,9 @@ Tensor CudaOps::run_step(int key, const std::function<Tensor()>& body) {
 void CudaOps::embed(Tensor table, Tensor out) {
   const auto timer = timed("embed");
   expect(out, DType::kF32, "the residual stream");
-  launch_embed({bf16(table), token_ids_, out.as<float>(), num_tokens_, int(table.dim(1)), int(table.dim(0))}, kernels_);
+  static_assert(StepTokens::kFedBackId == kEmbedFedBackId);
+  launch_embed({bf16(table), token_ids_, out.as<float>(), num_tokens_, int(table.dim(1)), int(table.dim(0)), fed_ids_},
+               kernels_);
 }
 
 void CudaOps::rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) {
@@ -762,6 +773,46 @@ std::vector<float> CudaOps::to_host(Tensor t) {
   CUDA_CHECK(cudaStreamSynchronize(stream_));
   for (size_t i = 0; i < raw.size(); ++i) out[i] = bf16_to_f32(raw[i]);
   return out;
+}
+
+void CudaOps::combine_vocab_argmax(Tensor gathered, int64_t slice_size, Tensor ids) {
+  const auto timer = timed("combine_vocab_argmax");
+  expect(gathered, DType::kI32, "combine_vocab_argmax's gathered winners");
+  expect(ids, DType::kI32, "combine_vocab_argmax's ids");
+  const int64_t rows = ids.numel();
+  TPMOE_CHECK(rows > 0 && gathered.numel() % (2 * rows) == 0,
+              "combine_vocab_argmax: {} gathered values are not (ids, values) of {} rows a rank", gathered.numel(),
+              rows);
+  launch_combine_vocab_argmax(gathered.as<int32_t>(), int(gathered.numel() / (2 * rows)), int(rows), slice_size,
+                              ids.as<int32_t>(), kernels_);
+}
+
+void CudaOps::keep_ids(Tensor ids) {
+  expect(ids, DType::kI32, "keep_ids");
+  const int n = int(ids.numel());
+  TPMOE_CHECK(n <= reserve_.max_tokens, "keep_ids: {} ids, the step holds at most {}", n, reserve_.max_tokens);
+  TPMOE_CHECK(kept_.size() < 2, "keep_ids: two steps' ids kept and not taken");
+  // The slot the one kept id set still pending (if any) does not use.
+  const int slot = kept_.empty() ? 0 : 1 - kept_.front().slot;
+  CUDA_CHECK(cudaMemcpyAsync(fed_ids_, ids.data, sizeof(int32_t) * n, cudaMemcpyDeviceToDevice, stream_));
+  CUDA_CHECK(cudaMemcpyAsync(kept_pinned_ + size_t(slot) * reserve_.max_tokens, ids.data, sizeof(int32_t) * n,
+                             cudaMemcpyDeviceToHost, stream_));
+  CUDA_CHECK(cudaEventRecord(kept_copied_[slot], stream_));
+  kept_.push_back({slot, n});
+  fed_count_ = n;
+}
+
+std::vector<int32_t> CudaOps::take_kept_ids() {
+  TPMOE_CHECK(!kept_.empty(), "take_kept_ids: no ids kept");
+  const KeptIds k = kept_.front();
+  kept_.pop_front();
+  CUDA_CHECK(cudaEventSynchronize(kept_copied_[k.slot]));
+  if (profile_ops_) {  // the ops' timing events of a step queued behind this one must have fired too
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+    collect_op_times();
+  }
+  const int32_t* p = kept_pinned_ + size_t(k.slot) * reserve_.max_tokens;
+  return {p, p + k.count};
 }
 
 std::vector<int32_t> CudaOps::ids_to_host(Tensor ids) {

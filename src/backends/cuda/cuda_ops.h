@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <compare>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -115,6 +116,9 @@ class CudaOps final : public Ops {
   void sample(Tensor logits, const SampleBatch& batch, Tensor ids) override;
   void copy_columns(Tensor src, Tensor dst, int64_t col_offset) override;
   void upload_ids(const std::vector<int32_t>& ids, Tensor dst) override;
+  void combine_vocab_argmax(Tensor gathered, int64_t slice_size, Tensor ids) override;
+  void keep_ids(Tensor ids) override;
+  std::vector<int32_t> take_kept_ids() override;
   std::vector<float> to_host(Tensor t) override;
   std::vector<int32_t> ids_to_host(Tensor ids) override;
 
@@ -139,6 +143,18 @@ class CudaOps final : public Ops {
   int64_t steps_begun_ = 0;
   int32_t *token_ids_ = nullptr, *positions_ = nullptr, *seq_slots_ = nullptr, *logit_rows_ = nullptr;
   int32_t* num_real_tokens_ = nullptr;  // on the device, so a recorded step reads the current count
+
+  // keep_ids: the last kept ids on the device, where a recorded embed reads kFedBackId tokens' ids
+  // ([max_tokens]; fed_count_ of them hold ids), and two pinned slots their host copies land in, each
+  // with the event that says it has, taken oldest first.
+  int32_t* fed_ids_ = nullptr;
+  int fed_count_ = 0;
+  int32_t* kept_pinned_ = nullptr;  // [2][max_tokens]
+  cudaEvent_t kept_copied_[2] = {};
+  struct KeptIds {
+    int slot = 0, count = 0;
+  };
+  std::deque<KeptIds> kept_;
 
   uint8_t* routed_ = nullptr;  // [layer][expert] marks of the routing stats (null: off)
   int routed_layers_ = 0, routed_experts_ = 0;

@@ -8,6 +8,8 @@
 //                Bytes: 2 x rows*cols*elem.
 //   argmax       ids[r] = first argmax of logits[r, :] fp32: blocks of 4096 logits, then one block
 //                per row over their winners. Bytes: R*V*4.
+//   combine_vocab_argmax  ids[r] = the winner among the ranks' argmax winners of a vocab-parallel
+//                step. Bytes: ranks*R*8 + R*4.
 //   fill_random  out[i] = random_value(seed, key, offset + i, stddev) (src/model/presets.cpp),
 //                bitwise: the same splitmix64 hash, the same float ops with contraction forbidden
 //                (__fmul_rn/__fadd_rn), bf16 by round-to-nearest-even as f32_to_bf16.
@@ -54,7 +56,8 @@ __global__ void embed_kernel(EmbedParams p) {
   const int64_t total = int64_t(p.num_tokens) * per_row;
   for (int64_t idx = global_thread(); idx < total; idx += grid_stride()) {
     const int64_t t = idx / per_row, c = idx % per_row;
-    const int32_t id = p.token_ids[t];
+    int32_t id = p.token_ids[t];
+    if (id == kEmbedFedBackId && p.fed_ids) id = p.fed_ids[t];
     const bool ok = id >= 0 && id < p.vocab;
     float* out = p.out + t * p.hidden;
     if constexpr (kVec) {
@@ -257,6 +260,19 @@ __global__ void __launch_bounds__(kArgmaxThreads)
   }
 }
 
+// One thread a row: the ranks' winners in rank order, so ties go to the lower rank.
+__global__ void combine_vocab_argmax_kernel(const int32_t* __restrict__ gathered, int ranks, int rows, int64_t slice,
+                                            int32_t* __restrict__ ids) {
+  pdl_wait();
+  pdl_trigger();
+  const int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  Best best{-__int_as_float(0x7f800000), INT32_MAX};
+  for (int q = 0; q < ranks; ++q) consider(best, __int_as_float(gathered[(2 * int64_t(q) + 1) * rows + r]), q);
+  const int q = best.index < ranks ? best.index : 0;
+  ids[r] = int32_t(q * slice + gathered[2 * int64_t(q) * rows + r]);
+}
+
 // ---- fill_random ---------------------------------------------------------------------------------
 
 __host__ __device__ __forceinline__ uint64_t splitmix64(uint64_t x) {
@@ -365,6 +381,15 @@ void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, float
              vocab, partial);
   launch_pdl(argmax_finish_kernel, dim3(unsigned(rows)), dim3(kArgmaxThreads), 0, on, static_cast<const Best*>(partial),
              chunks, vocab, ids, values);
+}
+
+void launch_combine_vocab_argmax(const int32_t* gathered, int ranks, int rows, int64_t slice, int32_t* ids,
+                                 KernelStream on) {
+  if (rows <= 0) return;
+  check_arg(gathered && ids && ranks > 0 && slice > 0, "combine_vocab_argmax: gathered, ids, ranks and slice");
+  constexpr int kRowsPerBlock = 128;
+  launch_pdl(combine_vocab_argmax_kernel, dim3(unsigned((rows + kRowsPerBlock - 1) / kRowsPerBlock)),
+             dim3(kRowsPerBlock), 0, on, gathered, ranks, rows, slice, ids);
 }
 
 void launch_fill_random(const FillRandomParams& p, cudaStream_t stream) {

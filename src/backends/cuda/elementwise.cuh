@@ -14,8 +14,11 @@
 namespace tpmoe::cuda {
 
 // out[t, :] = table[token_ids[t], :] widened to fp32 (the residual stream). Bytes: T*H*(2+4).
+// A token id of kEmbedFedBackId reads fed_ids[t] instead: the id the previous step drew for row t,
+// which the host has not seen (a decode step queued behind the one before it).
 // A token id outside [0, vocab) writes NaN into its row (a kernel cannot throw; the host
 // validates ids before the step, this only keeps a bad id from reading out of bounds).
+inline constexpr int32_t kEmbedFedBackId = -1;
 struct EmbedParams {
   const __nv_bfloat16* table = nullptr;  // [vocab, hidden]
   const int32_t* token_ids = nullptr;    // [num_tokens]
@@ -23,6 +26,7 @@ struct EmbedParams {
   int num_tokens = 0;
   int hidden = 0;
   int vocab = 0;
+  const int32_t* fed_ids = nullptr;  // [num_tokens] where token_ids holds kEmbedFedBackId
 };
 void launch_embed(const EmbedParams& p, KernelStream on);
 
@@ -65,6 +69,13 @@ void launch_split_columns(const SplitColumnsParams& p, KernelStream on);
 size_t argmax_workspace_bytes(int rows, int vocab);
 void launch_argmax(const float* logits, int rows, int vocab, int32_t* ids, float* values, void* workspace,
                    size_t workspace_bytes, KernelStream on);
+
+// The greedy ids of a vocab-parallel step from its ranks' argmax winners, gathered as
+// gathered[ranks][2][rows] (int32: the rank's local ids, then its values' fp32 bits): ids[r] =
+// q * slice + the local id of the rank q whose value wins as in argmax (NaN first, then the larger,
+// ties to the lower rank). One thread a row. Bytes: ranks*rows*8 + rows*4.
+void launch_combine_vocab_argmax(const int32_t* gathered, int ranks, int rows, int64_t slice, int32_t* ids,
+                                 KernelStream on);
 
 // Fills a rows x cols block with the presets' counter-based random numbers: element (r, c), written
 // at out[r * out_row_stride + c] as bf16 (fp32 when out_f32), is random_value(seed, key,
