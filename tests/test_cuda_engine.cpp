@@ -72,7 +72,8 @@ TEST(CudaEngine, EmulatedMxfp8RankWithTheSharedExpertUnfusedMatchesTheCpuOracle)
 
 // Decode steps queued behind the running one (the ids fed back on the device, recorded steps
 // replayed back to back) give the tokens one step at a time gives: one rank's argmax and rank 0 of a
-// vocab-parallel tp 8 (its winners combined on the device), a padded batch, sequences ending early.
+// vocab-parallel tp 8 (its winners combined on the device; both recorded with the step), a padded
+// batch, sequences ending early, and sampled draws (not recorded: their rows are uploaded).
 TEST(CudaEngine, OverlappedDecodeGivesTheTokensOfOneStepAtATime) {
   TPMOE_REQUIRE_GPU();
   for (int tp : {1, 8}) {
@@ -101,6 +102,11 @@ TEST(CudaEngine, OverlappedDecodeGivesTheTokensOfOneStepAtATime) {
     const GenerateResult ended = both_ways();
     EXPECT_LE(ended.generated[2].size(), 11u);
     EXPECT_EQ(ended.finish_reasons[2], "stop");
+    req.eos_token_ids.clear();
+    req.sampling.temperature = 0.8f;
+    req.sampling.top_k = 40;
+    req.sampling.seed = 17;
+    EXPECT_NE(both_ways().generated, full.generated);
   }
 }
 

@@ -83,6 +83,8 @@ class Sequences {
   }
 
   bool finished(int b) const { return finish_[b] != FinishReason::kNone; }
+  // Greedy without penalties: a step's ids follow from its logits alone (the same ops every step).
+  bool plain_greedy() const { return plain_greedy_; }
   bool all_finished() const {
     return std::all_of(finish_.begin(), finish_.end(), [](FinishReason f) { return f != FinishReason::kNone; });
   }
@@ -103,13 +105,12 @@ class Sequences {
     return !penalties_.front().active() && params_.stop.empty() && req_.forced_tokens.empty();
   }
 
-  // next_ids for a step queued before the host has read the ids of the step before: they stay on the
-  // device. Every sequence still running has generated `generated_so_far` tokens before this step
-  // (the host may have appended fewer of them yet); the draw of a row is keyed by that count.
-  Tensor next_ids_on_device(Ops& ops, Model& model, Tensor logits, const std::vector<int>& row_seq,
-                            uint32_t generated_so_far) {
-    if (plain_greedy_) return greedy_ids_on_device(ops, model, logits);
-    return sampled_ids_on_device(ops, model, logits, sample_batch(row_seq, generated_so_far));
+  // next_ids for a sampled step queued before the host has read the ids of the step before: they
+  // stay on the device. Every sequence still running has generated `generated_so_far` tokens before
+  // this step (the host may have appended fewer of them yet); the draw of a row is keyed by that count.
+  Tensor sampled_ids_on_device(Ops& ops, Model& model, Tensor logits, const std::vector<int>& row_seq,
+                               uint32_t generated_so_far) {
+    return tpmoe::sampled_ids_on_device(ops, model, logits, sample_batch(row_seq, generated_so_far));
   }
 
   // Appends sequence b's next token (forced, or drawn) and applies the stop checks that need no
@@ -280,8 +281,14 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
       StepTokens& d = queued[i % 2];
       d = decode_tokens(i, /*fed_back=*/i > 1);
       ops.begin_step(d);
-      logits = ops.run_step(rows, [&] { return model.forward(d); });
-      ops.keep_ids(seqs.next_ids_on_device(ops, model, logits, decode_row_seq, uint32_t(i)));
+      Tensor ids;
+      if (seqs.plain_greedy()) {  // the argmax (and a vocab-parallel rank's gather) recorded with the step
+        ids = ops.run_step(-rows, [&] { return greedy_ids_on_device(ops, model, model.forward(d)); });
+      } else {  // the draw uploads its rows' parameters every step: not recorded
+        logits = ops.run_step(rows, [&] { return model.forward(d); });
+        ids = seqs.sampled_ids_on_device(ops, model, logits, decode_row_seq, uint32_t(i));
+      }
+      ops.keep_ids(ids);
       ++kept.pending;
     };
     auto last = std::chrono::steady_clock::now();

@@ -185,6 +185,8 @@ class Ops {
   // Runs `body` (the launches of one step, already made current by begin_step). A backend that can
   // record a step (CUDA graphs) records it the first time a `key` is seen and replays it after;
   // the body must then allocate the same way every time (it does: allocation follows shapes only).
+  // Keys are the caller's: the engine records a padded decode batch's forward under its bucket size
+  // and, with the batch's greedy ids after it, under minus that size.
   virtual Tensor run_step(int key, const std::function<Tensor()>& body) { return body(); }
   // True when run_step records: the engine then pads decode batches to a few bucket sizes so a
   // handful of recordings serve every batch.
