@@ -8,6 +8,11 @@ namespace tpmoe {
 std::vector<int32_t> run_plan(Ops& ops, Model& model, const StepPlan& plan) {
   ops.begin_step(plan.tokens);
   auto forward = [&] { return model.forward(plan.tokens); };
+  if (plan.graph_key > 0 && plan.greedy && !plan.tokens.logit_rows.empty()) {
+    // A greedy decode step's ids follow from its logits by the same ops every step: recorded with
+    // it (under minus its key: Ops::run_step), not launched after each replay.
+    return ops.ids_to_host(ops.run_step(-plan.graph_key, [&] { return greedy_ids_on_device(ops, model, forward()); }));
+  }
   Tensor logits = plan.graph_key > 0 ? ops.run_step(plan.graph_key, forward) : forward();
   if (plan.tokens.logit_rows.empty()) return {};
   return plan.greedy ? greedy_ids(ops, model, logits) : sampled_ids(ops, model, logits, plan.sampling);
