@@ -374,6 +374,9 @@ TEST(OverlappedDecode, SameTokensAndEndingsAsOneStepAtATime) {
     EXPECT_EQ(
         all_ended.step_seconds.size(),
         std::max({all_ended.generated[0].size(), all_ended.generated[1].size(), all_ended.generated[2].size()}) - 1);
+    // Every sequence ends at its first token (from the prefill): no decode step, none overlapped.
+    greedy.eos_token_ids = {full.generated[0][0], full.generated[1][0], full.generated[2][0]};
+    EXPECT_TRUE(both_ways(greedy, false).step_seconds.empty());
     // Sampled draws keyed by each sequence's own step count; penalties keep the steps apart.
     both_ways(sampled_request(4), true);
     GenerateRequest penalised = sampled_request(4);

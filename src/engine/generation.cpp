@@ -261,7 +261,8 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
   std::vector<double> step_seconds;
   step_seconds.reserve(size_t(std::max(0, G - 1)));
   const bool overlap = req.overlap_decode && seqs.steps_may_overlap() && !req.return_step_logits && !req.record_routing;
-  if (overlap && G > 1 && !seqs.all_finished()) {
+  const bool overlapped = overlap && G > 1 && !seqs.all_finished();  // decode steps ran, overlapped
+  if (overlapped) {
     // Step i + 1 is queued before the host reads step i's ids, so the device never waits for the
     // host between steps: a running sequence's token reaches the next step on the device. A sequence
     // that ends at step i still runs in step i + 1 (its result is dropped); after the last step one
@@ -331,7 +332,7 @@ void generate_on_rank(Ops& ops, Model& model, int V, const GenerateRequest& req,
     out->decode_seconds = std::chrono::duration<double>(t2 - t1).count();
     out->step_seconds = std::move(step_seconds);
     out->launches_per_step = ops.last_step_launches();
-    out->overlapped_decode = overlap && G > 1;
+    out->overlapped_decode = overlapped;
   }
 }
 
