@@ -25,20 +25,18 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "backends/cuda/cuda_check.h"
 #include "backends/cuda/kernel_utils.cuh"
+#include "bench_args.h"
 
 namespace tpmoe::cuda {
 namespace {
 
-// (core/error.h's formatting does not compile under nvcc: plain messages here.)
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
+using bench::parse_count;
+using bench::require;
 
 constexpr int kThreads = 128;
 constexpr size_t kBufferBytes = size_t(1) << 30;  // the links' bytes come from here, wrapping around
@@ -188,31 +186,6 @@ Row measure(const LinkArgs& a, int links, int blocks, cudaStream_t s) {
   return row;
 }
 
-// A whole non-negative decimal number, or an error naming the option.
-long long parse_count(const std::string& option, const char* text) {
-  char* end = nullptr;
-  const long long v = std::strtoll(text, &end, 10);
-  require(end != text && *end == '\0' && v >= 0, option + ": '" + text + "' is not a non-negative whole number");
-  return v;
-}
-
-std::vector<int> parse_list(const char* s) {
-  std::vector<int> out;
-  std::string item;
-  for (const char* p = s;; ++p) {
-    if (*p != ',' && *p != '\0') {
-      item += *p;
-      continue;
-    }
-    const long long v = parse_count("--blocks", item.c_str());
-    require(v > 0 && v <= 1000000, std::string("--blocks: '") + s + "' is not a list of block counts");
-    out.push_back(int(v));
-    item.clear();
-    if (*p == '\0') break;
-  }
-  return out;
-}
-
 int run(int argc, char** argv) {
   int links = 200, chase_loads = 0;
   size_t bytes = 0;
@@ -225,7 +198,7 @@ int run(int argc, char** argv) {
     else if (arg == "--bytes")
       bytes = size_t(parse_count(arg, argv[++i]));
     else if (arg == "--blocks")
-      blocks = parse_list(argv[++i]);
+      blocks = bench::parse_list(arg, argv[++i], 1000000);
     else if (arg == "--chase")
       chase_loads = int(std::min(parse_count(arg, argv[++i]), 1000000LL));
     else
@@ -286,11 +259,4 @@ int run(int argc, char** argv) {
 }  // namespace
 }  // namespace tpmoe::cuda
 
-int main(int argc, char** argv) {
-  try {
-    return tpmoe::cuda::run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_cuda_chain: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return tpmoe::bench::guarded_main("bench_cuda_chain", tpmoe::cuda::run, argc, argv); }

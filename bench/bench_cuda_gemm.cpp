@@ -49,6 +49,7 @@
 #include "backends/cuda/elementwise.cuh"
 #include "backends/cuda/moe.cuh"
 #include "backends/cuda/skinny_linear.cuh"
+#include "bench_args.h"
 #include "cold_l2_timer.h"
 
 namespace {
@@ -78,9 +79,7 @@ const std::vector<Shape> kDefaultShapes = {
     {6144, 768, false, "tp4 shared down"},
 };
 
-void require(bool ok, const std::string& what) {
-  if (!ok) throw std::runtime_error(what);
-}
+using tpmoe::bench::require;
 
 template <class T>
 T* dalloc(size_t n) {
@@ -165,13 +164,6 @@ std::string describe(const cublasLtMatmulAlgo_t& algo) {
                 algo_attr<uint32_t>(algo, CUBLASLT_ALGO_CONFIG_STAGES_ID),
                 algo_attr<int32_t>(algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), name);
   return buf;
-}
-
-std::vector<int> parse_ints(const char* s) {
-  std::vector<int> v;
-  std::stringstream in(s);
-  for (std::string item; std::getline(in, item, ',');) v.push_back(std::atoi(item.c_str()));
-  return v;
 }
 
 std::vector<Shape> parse_shapes(const char* s) {
@@ -287,7 +279,7 @@ int run(int argc, char** argv) {
     if (!std::strcmp(argv[i], "--shapes") && has_value)
       shapes = parse_shapes(argv[++i]);
     else if (!std::strcmp(argv[i], "--tokens") && has_value)
-      tokens = parse_ints(argv[++i]);
+      tokens = tpmoe::bench::parse_list("--tokens", argv[++i], 1 << 20);
     else if (!std::strcmp(argv[i], "--candidates") && has_value)
       count = std::atoi(argv[++i]);
     else if (!std::strcmp(argv[i], "--chain") && has_value)
@@ -393,11 +385,4 @@ int run(int argc, char** argv) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-  try {
-    return run(argc, argv);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_cuda_gemm: %s\n", e.what());
-    return 1;
-  }
-}
+int main(int argc, char** argv) { return tpmoe::bench::guarded_main("bench_cuda_gemm", run, argc, argv); }
