@@ -24,16 +24,23 @@ struct RouteChoice {
 __device__ inline RouteChoice route_top_k(const RouteKernelParams& p, int token, int lane) {
   const int E = p.num_experts;
   const float* logits = p.logits + size_t(token) * E;
+  // Every load first, then the arithmetic: one trip to memory for all of them. Loads inside an
+  // `e < E` branch, each next to its use, went one after another (a logit, its sigmoid, the bias,
+  // the next logit: 2 * E / 32 trips), ~30% of a warp's time in the single-token down GEMV at the
+  // tp-8 width under Nsight Compute (docs/PERF.md). Lanes past E read expert E - 1 and are dropped.
+  float logit[kRouteMaxPerLane], bias[kRouteMaxPerLane];
+#pragma unroll
+  for (int i = 0; i < kRouteMaxPerLane; ++i) {
+    const int e = min(lane + 32 * i, E - 1);
+    logit[i] = logits[e];
+    bias[i] = p.bias[e];
+  }
   float score[kRouteMaxPerLane], choice[kRouteMaxPerLane];
 #pragma unroll
   for (int i = 0; i < kRouteMaxPerLane; ++i) {
-    const int e = lane + 32 * i;
-    score[i] = 0.f;
-    choice[i] = -INFINITY;
-    if (e < E) {
-      score[i] = 1.f / (1.f + expf(-logits[e]));
-      choice[i] = score[i] + p.bias[e];
-    }
+    const bool live = lane + 32 * i < E;
+    score[i] = live ? 1.f / (1.f + expf(-logit[i])) : 0.f;
+    choice[i] = live ? score[i] + bias[i] : -INFINITY;
   }
 
   uint32_t taken = 0;  // bit i: expert lane + 32*i already chosen
