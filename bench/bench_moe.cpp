@@ -10,10 +10,10 @@
 //
 // Floor = (distinct expert rows touched, shared included) * 3*I*H*2 bytes + activations (x in,
 // out, router logits), over the read-only bandwidth measured at the start of the run (bandwidth.cu).
-// "copy ratio": the time over the expert bytes alone divided by the device-to-device copy rate (bytes
-// read + written a second), the definition of issue 11's table of a peer's fused MoE (vLLM's Triton
-// kernel on an H200), so that table's rows compare with this column; a copy moves bytes slower than a
-// read-only stream, so this ratio reads lower than "ratio" and may fall under 1.
+// "copy ratio": the time over (the expert bytes alone / the device-to-device copy rate, bytes read +
+// written a second), the definition of issue 11's table of a peer's fused MoE (vLLM's Triton kernel on
+// an H200), so that table's rows compare with this column; a copy moves bytes slower than a read-only
+// stream, so this ratio reads lower than "ratio" and may fall under 1.
 // "stream us": that bandwidth's own read kernel over the floor's bytes (a prefix of the weights),
 // timed like the layer: what one kernel that only reads those bytes takes. Below ~100 MB it is well
 // above the floor (a cold start and drain the 8 GiB measurement averages away), so "vs stream"
