@@ -77,6 +77,19 @@ inline int sm_count() {
   return sms;
 }
 
+// Lets `kernel` launch with `dynamic` bytes of dynamic shared memory. Without an opt-in a block may
+// have 48 KiB of shared memory in all, its static arrays included, so a launch whose dynamic bytes
+// fit under 48 KiB alone but not next to the static ones fails (cudaErrorInvalidValue). The kernel's
+// current limit (cudaFuncGetAttributes: 48 KiB less its static bytes until raised) decides, and the
+// limit is only ever raised: a graph recorded with a larger launch stays launchable.
+template <class... KArgs>
+void allow_dynamic_smem(void (*kernel)(KArgs...), size_t dynamic) {
+  cudaFuncAttributes attr{};
+  CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (dynamic > size_t(attr.maxDynamicSharedSizeBytes))
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic)));
+}
+
 template <class... KArgs, class... Args>
 void launch_pdl(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, KernelStream on, Args&&... args) {
   launch_pdl_clusters(kernel, grid, block, smem, on, 1u, std::forward<Args>(args)...);
