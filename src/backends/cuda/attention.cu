@@ -63,7 +63,8 @@
 //   launches][kept int32 T*nih*topk][pad to 256 B][ml float2 T*nq*S][acc float T*nq*S*HD], the
 //   partials only when S > 1. Its owner zeroes the arrivals once (attention_workspace_zeroed_bytes);
 //   every launch leaves them zero. plan_splits chooses S0
-//   chunks of >= kMinChunk (64) keys with T*nq*S0 <= kMaxPartialRows (16384); a block's G key
+//   chunks of >= kMinChunk (64) keys (32 for few rows and short contexts: kOneTileRows) with
+//   T*nq*S0 <= kMaxPartialRows (16384); a block's G key
 //   groups take G of them (choose_key_groups), so S = ceil(S0 / G) splits run and the workspace,
 //   sized for S0, is enough.
 // Layouts: q/out [T, nq*hd], k/v [T, nkv*hd], index_q [T, nih*ihd], index_k [T, ihd], all bf16
@@ -92,6 +93,13 @@ constexpr int kMaxTopk = 256;       // kept blocks per (token, index head) the k
 // one block per KV head) the splits are the parallelism; 256 keys a split made a 190-key context
 // one block walking six tiles (12.5 us at 70 keys under Nsight Compute at the tp-8 rank).
 constexpr int kMinChunk = 64;
+// One tile a split where the step has at most kOneTileRows (token, query head) rows and fewer than
+// kMaxClusterSplits splits of 64 keys (a context bound under 512), up to kMaxClusterSplits of them:
+// more blocks walk a short context, each one tile, and they still merge in one cluster. At a tp-8
+// rank of MiniMax-M3 (8 query heads on one KV head) that is up to 16 tokens: 128 blocks at most,
+// one wave of 132 SMs. Measured (docs/PERF.md): a batch-1 step 3.2% shorter and a 16-token one 1.0%
+// on an H200 (60 layers); without the row limit a 64-token step was 0.2% longer on an H100.
+constexpr int kOneTileRows = 128;
 constexpr int64_t kMaxPartialRows = 16384;  // (token, q head, split) partial rows, at most
 constexpr int kMaxClusterSplits = 8;        // splits a row merges in a cluster, at most: the portable cluster size
 constexpr int kSelectThreads = 256;
@@ -120,7 +128,9 @@ struct SplitPlan {
 // Depends on the step's token count and max_len only, never on positions (graph capture).
 SplitPlan plan_splits(int num_tokens, int num_q_heads, int max_len) {
   const int64_t rows = std::max<int64_t>(1, int64_t(num_tokens) * num_q_heads);
-  const int64_t want = std::max<int64_t>(1, ceil_div(max_len, kMinChunk));
+  int64_t want = std::max<int64_t>(1, ceil_div(max_len, kMinChunk));
+  if (rows <= kOneTileRows && want < kMaxClusterSplits)
+    want = std::min<int64_t>(kMaxClusterSplits, ceil_div(max_len, kTile));
   const int64_t cap = std::max<int64_t>(1, kMaxPartialRows / rows);
   const int64_t splits = std::min(want, cap);
   const int64_t chunk = std::max<int64_t>(1, ceil_div(max_len, splits));
@@ -609,9 +619,10 @@ __global__ void __launch_bounds__(kMaxBlockWarps* kWarp) attention_split_kernel(
     cp_async_commit();
   };
   // A full layer's first tile goes before the wait (its segment is known already); in a decode step
-  // its second too, into the other buffer. At batch 1 a split's 64 keys are its two tiles, so after
-  // the wait only the query's own row is copied: the second tile's page lookup and copy, between the
-  // two tiles' scores after the wait, were ~2 us of the block's chain (docs/PERF.md).
+  // its second too, into the other buffer. At batch 1 a split is one tile (a short context:
+  // kOneTileRows) or two (64 keys), so after the wait only the query's own row is copied: the second
+  // tile's page lookup and copy, between the two tiles' scores after the wait, were ~2 us of the
+  // block's chain (docs/PERF.md).
   const bool early = a.pipelined && !a.sparse;
   const bool second_early = early && a.decode_step && hi - lo > kTile;
   if (early) {
