@@ -411,11 +411,13 @@ INSTANTIATE_TEST_SUITE_P(
                       // leaving after the cluster's barrier without pushing a state; the prefill steps
                       // run 5-8 splits, or one (no states at all)
                       AttnCase{"full_gqa8_hd128_bound512", 8, 1, 128, false, 0, 0, 0, 0, 2048, 400, 512, true},
-                      // the same at bound 256: one tile a split (32 keys, 8 splits in a cluster) at
-                      // 1 and 3 tokens; 4 splits of 64 at 19 and in the prefills (more rows than
-                      // attention.cu's kOneTileRows), whose launch takes 48768 bytes of dynamic shared
-                      // memory next to ~2 KiB of static arrays, over the 48 KiB a kernel has without
-                      // the opt-in (alone in a process, as ctest runs it, nothing raised the limit before)
+                      // the same at bound 256: one tile a split (32 keys, 8 splits in a cluster) in the
+                      // decode steps of 1 and 3 tokens; 4 splits of 64 at 19 tokens and in the prefills
+                      // of 165 and 200 (more rows than attention.cu's kOneTileRows; the longer prefills'
+                      // partial rows cap theirs at 3 and 1). A 4-split launch takes 48768 bytes of
+                      // dynamic shared memory next to ~2 KiB of static arrays: over the 48 KiB a kernel
+                      // has without the opt-in (alone in a process, as ctest runs it, nothing raised
+                      // the limit before)
                       AttnCase{"full_gqa8_hd128_bound256", 8, 1, 128, false, 0, 0, 0, 0, 2048, 200, 256, true},
                       AttnCase{"full_gqa1_hd64", 4, 4, 64, false, 0, 0, 0, 0, 1024, 500},
                       // 16 heads a block, one key group: at 19 tokens the partial rows cap the splits
