@@ -903,7 +903,6 @@ void launch_split(const SplitPlan& plan, int* arrivals, unsigned char* partials,
                     smem + slots + kSplitStaticSmem <= kSmemOptInMax;
   a.push_offset = int(smem);
   if (a.cluster_merge) smem += slots;
-  allow_dynamic_smem(attention_split_kernel<HD>, smem);
   launch_pdl_clusters(attention_split_kernel<HD>, grid, dim3(unsigned(a.heads * a.key_groups * kWarp)), smem, on,
                       a.cluster_merge ? unsigned(a.num_splits) : 1u, a);
 }
@@ -1024,7 +1023,6 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
     check_arg(smem + kSelectStaticSmem <= kSmemOptInMax,
               "attention: max_len/block_size = " + std::to_string(max_blocks) +
                   " blocks exceed the indexer's shared-memory selection");
-    allow_dynamic_smem(select_blocks_kernel, smem);
     SelectArgs a{};
     a.index_q = p.index_q;
     a.index_k_cache = c.index_k;

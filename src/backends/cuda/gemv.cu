@@ -252,7 +252,6 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
 template <int M, bool kFp8>
 void launch_m(const GemvBatch& b, size_t smem, KernelStream on) {
   auto kernel = gemv_kernel<M, kFp8>;
-  allow_dynamic_smem(kernel, smem);
   launch_pdl(kernel, dim3(unsigned(b.block_begin[b.count])), dim3(kGemvWarps * kWarp), smem, on, b);
 }
 

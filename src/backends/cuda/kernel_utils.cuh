@@ -40,6 +40,20 @@ inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
 
+// Lets `kernel` launch with `dynamic` bytes of dynamic shared memory (launch_pdl_clusters calls it for
+// every launch that has some, so no launcher opts in by hand). Without an opt-in a block may
+// have 48 KiB of shared memory in all, its static arrays included, so a launch whose dynamic bytes
+// fit under 48 KiB alone but not next to the static ones fails (cudaErrorInvalidValue). The kernel's
+// current limit (cudaFuncGetAttributes: 48 KiB less its static bytes until raised) decides, and the
+// limit is only ever raised: a graph recorded with a larger launch stays launchable.
+template <class... KArgs>
+void allow_dynamic_smem(void (*kernel)(KArgs...), size_t dynamic) {
+  cudaFuncAttributes attr{};
+  CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  if (dynamic > size_t(attr.maxDynamicSharedSizeBytes))
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic)));
+}
+
 // Launches `kernel` on on.stream, with the programmatic-stream-serialization attribute when on.pdl
 // (kernel_stream.h), a plain launch otherwise; the kernel must keep the pdl_wait contract above
 // either way. cluster_z > 1 launches clusters of that many CTAs along z (grid.z a multiple of it),
@@ -47,6 +61,7 @@ __device__ __forceinline__ void pdl_trigger() { asm volatile("griddepcontrol.lau
 template <class... KArgs, class... Args>
 void launch_pdl_clusters(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, KernelStream on,
                          unsigned cluster_z, Args&&... args) {
+  if (smem > 0) allow_dynamic_smem(kernel, smem);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -75,19 +90,6 @@ inline int sm_count() {
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   return sms;
-}
-
-// Lets `kernel` launch with `dynamic` bytes of dynamic shared memory. Without an opt-in a block may
-// have 48 KiB of shared memory in all, its static arrays included, so a launch whose dynamic bytes
-// fit under 48 KiB alone but not next to the static ones fails (cudaErrorInvalidValue). The kernel's
-// current limit (cudaFuncGetAttributes: 48 KiB less its static bytes until raised) decides, and the
-// limit is only ever raised: a graph recorded with a larger launch stays launchable.
-template <class... KArgs>
-void allow_dynamic_smem(void (*kernel)(KArgs...), size_t dynamic) {
-  cudaFuncAttributes attr{};
-  CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
-  if (dynamic > size_t(attr.maxDynamicSharedSizeBytes))
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic)));
 }
 
 template <class... KArgs, class... Args>

@@ -264,14 +264,6 @@ size_t kernel_smem(bool fp8, int M, int row_warps) {
   return fp8 ? smem_bytes<true>(nt, row_warps) : smem_bytes<false>(nt, row_warps);
 }
 
-// Opts the kernel into its shared memory (past the static 48 KiB from 16 n-tiles) on the current
-// device: a host call, no sync, fine inside a graph capture; made per launch because a process may
-// drive several GPUs and the attribute is per device.
-void allow_smem(bool fp8, int M, int row_warps) {
-  CUDA_CHECK(cudaFuncSetAttribute(pick_kernel(fp8, M, row_warps), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  int(kernel_smem(fp8, M, row_warps))));
-}
-
 int num_chunks(const SkinnyLinearParams& p) {
   const int kc = p.w_scale ? chunk_k<true>() : chunk_k<false>();
   return (p.K + kc - 1) / kc;
@@ -336,7 +328,6 @@ void launch_skinny_linear(const SkinnyLinearParams& p, KernelStream on, SkinnyLi
   const int splits = fit_splits(tiling.k_splits, num_chunks(p), stage_chunks_of(p), &kp.split_chunks);
   const int64_t tiles = (int64_t(p.N) + 16 * rw - 1) / (16 * rw);
   check_arg(tiles <= 0x7fffffff, "launch_skinny_linear: N too large for the grid");
-  allow_smem(fp8, p.M, rw);
   launch_pdl_clusters(pick_kernel(fp8, p.M, rw), dim3(unsigned(tiles), 1, unsigned(splits)), dim3(unsigned(rw) * 32),
                       kernel_smem(fp8, p.M, rw), on, unsigned(splits), kp);
 }
