@@ -44,14 +44,15 @@
 //    decode_step: every key below a query's position is an earlier step's), copies the keys below
 //    the query's position of its first two tiles, one a buffer; after the wait, only the query's
 //    own row.
-//    With one split the block writes the bf16 output directly. With 2-8 splits (a short context:
-//    decode at small batches) a (token, block row)'s splits are one thread-block cluster: split 0
-//    sets up an mbarrier before the PDL wait that counts the bytes the other splits that ran (split
-//    s ran iff s*chunk <= pos) will push; each of them pushes its partial state (m, l, acc[HD],
-//    fp32) into a slot of split 0's shared memory (st.async, counted off that barrier) and leaves;
-//    split 0 waits for the bytes and merges the states with its own in split order. With more
-//    splits (long contexts; or merge_splits_in_cluster off) each split writes its partials to the
-//    workspace and counts itself in on the row's arrival counter; the block that arrives last - all
+//    With one split the block writes the bf16 output directly. With 2-16 splits (a short context:
+//    decode at small batches; above 8 only where the launch's clusters all fit the GPU at once) a
+//    (token, block row)'s splits are one thread-block cluster: split 0 sets up an mbarrier before the
+//    PDL wait that counts the bytes the other splits that ran (split s ran iff s*chunk <= pos) will
+//    push; each of them pushes its partial state (m, l, acc[HD], fp32) into a slot of split 0's
+//    shared memory (st.async, counted off that barrier) and leaves; split 0 waits for the bytes and
+//    merges the states with its own in split order. With more splits (long contexts; or
+//    merge_splits_in_cluster off) each split writes its partials to the workspace and counts itself
+//    in on the row's arrival counter; the block that arrives last - all
 //    the splits that ran are in then - merges them the same way from L2, writes bf16 and sets the
 //    counter back to zero for the next launch. Either merge rides in the split kernel instead of a
 //    launch of its own (a launch fewer a layer; the combine's 5.1 us link in a batch-1 step mostly
@@ -94,14 +95,19 @@ constexpr int kMaxTopk = 256;       // kept blocks per (token, index head) the k
 // one block walking six tiles (12.5 us at 70 keys under Nsight Compute at the tp-8 rank).
 constexpr int kMinChunk = 64;
 // One tile a split where the step has at most kOneTileRows (token, query head) rows and fewer than
-// kMaxClusterSplits splits of 64 keys (a context bound under 512), up to kMaxClusterSplits of them:
-// more blocks walk a short context, each one tile, and they still merge in one cluster. At a tp-8
-// rank of MiniMax-M3 (8 query heads on one KV head) that is up to 16 tokens: 128 blocks at most,
-// one wave of 132 SMs. Measured (docs/PERF.md): a batch-1 step 3.2% shorter and a 16-token one 1.0%
-// on an H200 (60 layers); without the row limit a 64-token step was 0.2% longer on an H100.
+// `max_cluster` splits of 64 keys, up to `max_cluster` of them (plan_splits): more blocks walk a
+// short context, each one tile, and they still merge in one cluster. At a tp-8 rank of MiniMax-M3 (8
+// query heads on one KV head) that is up to 16 tokens. Measured (docs/PERF.md), with clusters of 8:
+// a batch-1 step 3.2% shorter and a 16-token one 1.0% on an H200 (60 layers); without the row limit
+// a 64-token step was 0.2% longer on an H100.
 constexpr int kOneTileRows = 128;
 constexpr int64_t kMaxPartialRows = 16384;  // (token, q head, split) partial rows, at most
-constexpr int kMaxClusterSplits = 8;        // splits a row merges in a cluster, at most: the portable cluster size
+// Splits a row merges in a cluster, at most: the portable cluster size, and up to 16 where the
+// launch's clusters fit the GPU all at once (launch_split). Clusters of 16 took a batch-1 step of
+// the tp-8 rank 4.5% shorter at a context bound of 448 on an H100, and one of 16 tokens 0.5% longer
+// at 960 where its 16 clusters of 16 were more than the GPU holds (docs/PERF.md).
+constexpr int kPortableClusterSplits = int(kPortableClusterSize);
+constexpr int kMaxClusterSplits = int(kMaxClusterSize);
 constexpr int kSelectThreads = 256;
 constexpr int kCacheWriteThreads = 128;
 constexpr size_t kSmemOptInMax = 227 * 1024;  // sm_90 dynamic + static shared memory per block
@@ -126,11 +132,12 @@ struct SplitPlan {
 };
 
 // Depends on the step's token count and max_len only, never on positions (graph capture).
-SplitPlan plan_splits(int num_tokens, int num_q_heads, int max_len) {
+// `max_cluster` bounds the one-tile rule (kOneTileRows); a larger one never gives fewer splits or
+// partial rows, so the workspace is sized with kMaxClusterSplits.
+SplitPlan plan_splits(int num_tokens, int num_q_heads, int max_len, int max_cluster = kMaxClusterSplits) {
   const int64_t rows = std::max<int64_t>(1, int64_t(num_tokens) * num_q_heads);
   int64_t want = std::max<int64_t>(1, ceil_div(max_len, kMinChunk));
-  if (rows <= kOneTileRows && want < kMaxClusterSplits)
-    want = std::min<int64_t>(kMaxClusterSplits, ceil_div(max_len, kTile));
+  if (rows <= kOneTileRows && want < max_cluster) want = std::min<int64_t>(max_cluster, ceil_div(max_len, kTile));
   const int64_t cap = std::max<int64_t>(1, kMaxPartialRows / rows);
   const int64_t splits = std::min(want, cap);
   const int64_t chunk = std::max<int64_t>(1, ceil_div(max_len, splits));
@@ -882,27 +889,53 @@ int choose_key_groups(int planned_splits, int heads) {
 }
 
 // Sets the splits that run - the plan's chunks, G of them a block (choose_key_groups), spread evenly
-// - their arrival counters and their partials in `partials` (the workspace past the kept blocks,
-// sized for the plan's splits, never fewer), then launches the split kernel.
+// - and the block's tile buffers; returns the dynamic shared memory of the walk.
 template <int HD>
-void launch_split(const SplitPlan& plan, int* arrivals, unsigned char* partials, int num_tokens, bool merge_in_cluster,
-                  SplitArgs& a, KernelStream on) {
+size_t shape_splits(const SplitPlan& plan, SplitArgs& a) {
   const int most = choose_key_groups<HD>(plan.num_splits, a.heads);
   a.num_splits = int(ceil_div(plan.num_splits, most));
   a.key_groups = int(ceil_div(plan.num_splits, a.num_splits));
   a.chunk = plan.chunk * a.key_groups;
+  a.pipelined = a.key_groups == 1 && SplitSmem<HD>::bytes(a.heads, 2) + kSplitStaticSmem <= kSmemOptInMax;
+  return SplitSmem<HD>::bytes(a.heads, a.pipelined ? 2 : a.key_groups);
+}
+
+// Shapes the splits from `plan` (plan_splits up to kMaxClusterSplits) or, where that gives more than
+// kPortableClusterSplits splits a row and they could not merge in clusters, from `portable` (the
+// same up to kPortableClusterSplits): the shape does not depend on merge_in_cluster, so both merges
+// give the same bits. Sets the splits' arrival counters and their partials in `partials` (the
+// workspace past the kept blocks, sized for `plan`'s splits, which are never fewer), then launches
+// the split kernel. A row's splits merge in one cluster where the flag allows it, their states fit
+// split 0's shared memory and, above the portable size, every cluster of the grid is resident at
+// once: a cluster of 16 at ~99 KiB a block (the tp-8 rank) takes 8 SMs of one GPC, and a grid of
+// more such clusters than the GPU holds runs them in waves.
+template <int HD>
+void launch_split(const SplitPlan& plan, const SplitPlan& portable, int* arrivals, unsigned char* partials,
+                  int num_tokens, bool merge_in_cluster, SplitArgs& a, KernelStream on) {
+  size_t smem = 0;
+  const auto clusters_fit = [&] {
+    if (a.num_splits > kMaxClusterSplits) return false;
+    const size_t slots = size_t(a.num_splits - 1) * SplitSmem<HD>::slot_bytes(a.heads);
+    if (smem + slots + kSplitStaticSmem > kSmemOptInMax) return false;
+    if (a.num_splits <= kPortableClusterSplits) return true;
+    const int64_t clusters = int64_t(num_tokens) * a.num_kv_heads * a.head_chunks;
+    return clusters <= max_active_clusters(attention_split_kernel<HD>, unsigned(a.heads * a.key_groups * kWarp),
+                                           smem + slots, unsigned(a.num_splits));
+  };
+  smem = shape_splits<HD>(plan, a);
+  bool fit = clusters_fit();
+  if (a.num_splits > kPortableClusterSplits && !fit) {
+    smem = shape_splits<HD>(portable, a);
+    fit = clusters_fit();
+  }
+  a.cluster_merge = merge_in_cluster && a.num_splits > 1 && fit;
   const size_t rows = size_t(num_tokens) * a.num_q_heads * a.num_splits;
   a.ml = a.num_splits > 1 ? reinterpret_cast<float2*>(partials) : nullptr;
   a.acc = a.num_splits > 1 ? reinterpret_cast<float*>(partials + align_up(rows * sizeof(float2))) : nullptr;
   a.arrivals = arrivals;
-  const dim3 grid(unsigned(num_tokens), unsigned(a.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
-  a.pipelined = a.key_groups == 1 && SplitSmem<HD>::bytes(a.heads, 2) + kSplitStaticSmem <= kSmemOptInMax;
-  size_t smem = SplitSmem<HD>::bytes(a.heads, a.pipelined ? 2 : a.key_groups);
-  const size_t slots = size_t(a.num_splits - 1) * SplitSmem<HD>::slot_bytes(a.heads);
-  a.cluster_merge = merge_in_cluster && a.num_splits > 1 && a.num_splits <= kMaxClusterSplits &&
-                    smem + slots + kSplitStaticSmem <= kSmemOptInMax;
   a.push_offset = int(smem);
-  if (a.cluster_merge) smem += slots;
+  if (a.cluster_merge) smem += size_t(a.num_splits - 1) * SplitSmem<HD>::slot_bytes(a.heads);
+  const dim3 grid(unsigned(num_tokens), unsigned(a.num_kv_heads * a.head_chunks), unsigned(a.num_splits));
   launch_pdl_clusters(attention_split_kernel<HD>, grid, dim3(unsigned(a.heads * a.key_groups * kWarp)), smem, on,
                       a.cluster_merge ? unsigned(a.num_splits) : 1u, a);
 }
@@ -975,6 +1008,7 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
             "attention: context_bound=" + std::to_string(p.context_bound) + " outside [0, max_len]");
   const int bound = p.context_bound > 0 ? p.context_bound : c.max_len;
   const SplitPlan plan = plan_splits(T, p.num_q_heads, bound);
+  const SplitPlan portable = plan_splits(T, p.num_q_heads, bound, kPortableClusterSplits);
   check_arg(plan.num_splits <= 65535, "attention: max_len too large for the split grid");
   const size_t kept_region = sparse ? kept_bytes(T, p.num_index_heads, p.topk_blocks) : 0;
   const size_t need = kArrivalBytes + kept_region + partial_bytes(T, p.num_q_heads, p.head_dim, bound);
@@ -1060,10 +1094,10 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
   a.decode_step = p.decode_step ? 1 : 0;
   a.out = p.out;
   switch (p.head_dim) {
-    case 32: launch_split<32>(plan, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
-    case 64: launch_split<64>(plan, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
-    case 128: launch_split<128>(plan, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
-    case 256: launch_split<256>(plan, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
+    case 32: launch_split<32>(plan, portable, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
+    case 64: launch_split<64>(plan, portable, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
+    case 128: launch_split<128>(plan, portable, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
+    case 256: launch_split<256>(plan, portable, arrivals, ws + kept_region, T, p.merge_splits_in_cluster, a, on); break;
     default: check_arg(false, "attention: unsupported head_dim=" + std::to_string(p.head_dim));
   }
 }

@@ -45,10 +45,11 @@ struct AttentionKernelParams {
   // them before its PDL wait, while the kernel that stores this step's keys still runs. False (the
   // default): every key is read after the wait.
   bool decode_step = false;
-  // True (the default): where a row's splits are 2-8 (and their states fit split 0's shared memory),
-  // they form a thread-block cluster, the others push their states into split 0's shared memory and
-  // split 0 merges them. False: every split's state goes through the workspace and the last to
-  // arrive merges them (the path of more than 8 splits). Same bits either way; tests compare the two.
+  // True (the default): where a row's splits are 2-16 (their states fitting split 0's shared memory
+  // and, above 8, every cluster of the launch resident at once), they form a thread-block cluster,
+  // the others push their states into split 0's shared memory and split 0 merges them. False: every
+  // split's state goes through the workspace and the last to arrive merges them (the path of longer
+  // contexts). The splits are the same either way, and so are the bits; tests compare the two.
   bool merge_splits_in_cluster = true;
   const int32_t* positions = nullptr;  // [T]
   const int32_t* seq_slots = nullptr;  // [T]

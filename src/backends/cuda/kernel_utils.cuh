@@ -7,8 +7,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <source_location>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "backends/cuda/cuda_check.h"
@@ -54,14 +57,80 @@ void allow_dynamic_smem(void (*kernel)(KArgs...), size_t dynamic) {
     CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(dynamic)));
 }
 
+// Clusters of up to 8 CTAs launch on every sm_90 part (the portable size); up to 16 need the kernel's
+// opt-in (allow_nonportable_clusters), and whether a GPU holds a given number of them at once depends on
+// its GPCs and the kernel's resources (max_active_clusters).
+constexpr unsigned kPortableClusterSize = 8;
+constexpr unsigned kMaxClusterSize = 16;
+
+template <class... KArgs>
+void allow_nonportable_clusters(void (*kernel)(KArgs...)) {
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+}
+
+namespace detail {
+// Memo of max_active_clusters per launch shape: the query walks the device's GPCs (host work worth
+// skipping on a launch path), and its answer depends only on the key.
+struct ClusterQuery {
+  int device;
+  const void* kernel;
+  unsigned threads;
+  size_t smem;
+  unsigned cluster;
+  bool operator<(const ClusterQuery& o) const {
+    return std::tie(device, kernel, threads, smem, cluster) <
+           std::tie(o.device, o.kernel, o.threads, o.smem, o.cluster);
+  }
+};
+inline std::mutex& cluster_memo_mutex() {
+  static std::mutex m;
+  return m;
+}
+inline std::map<ClusterQuery, int>& cluster_memo() {
+  static std::map<ClusterQuery, int> memo;
+  return memo;
+}
+}  // namespace detail
+
+// How many clusters of `cluster` CTAs (along z) of `kernel`, at `threads` a CTA and `smem` bytes of
+// dynamic shared memory, the current device holds resident at once (cudaOccupancyMaxActiveClusters;
+// 0: none). A grid of more clusters than that runs them in waves, and a CTA that waits for its
+// cluster's other CTAs then holds its SM while they wait for one. Opts the kernel in to the shared
+// memory and, above kPortableClusterSize, to the cluster size first, as its launch does.
+template <class... KArgs>
+int max_active_clusters(void (*kernel)(KArgs...), unsigned threads, size_t smem, unsigned cluster) {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  const detail::ClusterQuery key{device, reinterpret_cast<const void*>(kernel), threads, smem, cluster};
+  const std::lock_guard<std::mutex> lock(detail::cluster_memo_mutex());
+  auto& memo = detail::cluster_memo();
+  if (const auto it = memo.find(key); it != memo.end()) return it->second;
+  if (smem > 0) allow_dynamic_smem(kernel, smem);
+  if (cluster > kPortableClusterSize) allow_nonportable_clusters(kernel);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1, 1, cluster);
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim = {1, 1, cluster};
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  int clusters = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+  memo.emplace(key, clusters);
+  return clusters;
+}
+
 // Launches `kernel` on on.stream, with the programmatic-stream-serialization attribute when on.pdl
 // (kernel_stream.h), a plain launch otherwise; the kernel must keep the pdl_wait contract above
-// either way. cluster_z > 1 launches clusters of that many CTAs along z (grid.z a multiple of it),
-// whose CTAs are resident together and may read each other's shared memory.
+// either way. cluster_z > 1 launches clusters of that many CTAs along z (grid.z a multiple of it; at
+// most kMaxClusterSize), whose CTAs are resident together and may read each other's shared memory.
 template <class... KArgs, class... Args>
 void launch_pdl_clusters(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem, KernelStream on,
                          unsigned cluster_z, Args&&... args) {
   if (smem > 0) allow_dynamic_smem(kernel, smem);
+  if (cluster_z > kPortableClusterSize) allow_nonportable_clusters(kernel);
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

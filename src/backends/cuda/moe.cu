@@ -765,7 +765,7 @@ void launch_linear_gemm(int nt, const GemmParams& gp, unsigned token_blocks, Ker
 // (decode-sized M against a narrow N: a tp-8 rank's k_proj is 128 rows, 4 tiles of 32), the k range
 // is cut over up to kMaxLinearSplits CTAs a tile, as long as each keeps a whole step (4 warps x U
 // chunks) of work. Returns the split count; *split_chunks the chunks each takes (even).
-constexpr int kMaxLinearSplits = 8;  // the portable cluster size
+constexpr int kMaxLinearSplits = int(kPortableClusterSize);
 int choose_linear_splits(int64_t tiles, int num_chunks, int chunks_per_step, int* split_chunks) {
   const int target = 2 * sm_count();  // two resident CTAs an SM: enough loads in flight for a weight stream
   int splits = 1;

@@ -27,8 +27,8 @@ namespace tpmoe::cuda {
 
 namespace {
 
-constexpr int kStageK = 128;   // k a stage
-constexpr int kMaxSplits = 8;  // the portable cluster size
+constexpr int kStageK = 128;  // k a stage
+constexpr int kMaxSplits = int(kPortableClusterSize);
 
 struct KernelParams {
   const uint16_t* x = nullptr;  // [M, K] bf16 bits
