@@ -103,9 +103,10 @@ constexpr int kMinChunk = 64;
 constexpr int kOneTileRows = 128;
 constexpr int64_t kMaxPartialRows = 16384;  // (token, q head, split) partial rows, at most
 // Splits a row merges in a cluster, at most: the portable cluster size, and up to 16 where the
-// launch's clusters fit the GPU all at once (launch_split). Clusters of 16 took a batch-1 step of
-// the tp-8 rank 4.5% shorter at a context bound of 448 on an H100, and one of 16 tokens 0.5% longer
-// at 960 where its 16 clusters of 16 were more than the GPU holds (docs/PERF.md).
+// launch's clusters fit the GPU all at once (launch_split). Measured on an H100 (docs/PERF.md), a
+// 30-layer tp-8 rank: batch-1 steps 5.3% shorter at a context bound of 448 (14 one-tile splits in a
+// cluster) and 1.7% at 960 (16 splits); an H100 holds 14 clusters of 14-16 of these blocks, and
+// 16-token steps, which would need 16, measured 0.5% longer before they took the portable plan.
 constexpr int kPortableClusterSplits = int(kPortableClusterSize);
 constexpr int kMaxClusterSplits = int(kMaxClusterSize);
 constexpr int kSelectThreads = 256;
