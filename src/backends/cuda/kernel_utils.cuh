@@ -69,8 +69,8 @@ void allow_nonportable_clusters(void (*kernel)(KArgs...)) {
 }
 
 namespace detail {
-// Memo of max_active_clusters per launch shape: the query walks the device's GPCs (host work worth
-// skipping on a launch path), and its answer depends only on the key.
+// Memo of max_active_clusters per launch shape: the answer depends only on the key, so the driver
+// is asked once per shape, not on every launch.
 struct ClusterQuery {
   int device;
   const void* kernel;
@@ -94,9 +94,9 @@ inline std::map<ClusterQuery, int>& cluster_memo() {
 
 // How many clusters of `cluster` CTAs (along z) of `kernel`, at `threads` a CTA and `smem` bytes of
 // dynamic shared memory, the current device holds resident at once (cudaOccupancyMaxActiveClusters;
-// 0: none). A grid of more clusters than that runs them in waves, and a CTA that waits for its
-// cluster's other CTAs then holds its SM while they wait for one. Opts the kernel in to the shared
-// memory and, above kPortableClusterSize, to the cluster size first, as its launch does.
+// 0: none). A grid of more clusters than that runs them in waves: the last ones start only as
+// earlier ones finish. Opts the kernel in to the shared memory and, above kPortableClusterSize, to
+// the cluster size first, as its launch does.
 template <class... KArgs>
 int max_active_clusters(void (*kernel)(KArgs...), unsigned threads, size_t smem, unsigned cluster) {
   int device = 0;
