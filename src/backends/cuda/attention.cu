@@ -130,6 +130,7 @@ size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 struct SplitPlan {
   int num_splits;
   int chunk;  // keys per split; num_splits * chunk >= max_len
+  bool operator==(const SplitPlan&) const = default;
 };
 
 // Depends on the step's token count and max_len only, never on positions (graph capture).
@@ -925,7 +926,8 @@ void launch_split(const SplitPlan& plan, const SplitPlan& portable, int* arrival
   };
   smem = shape_splits<HD>(plan, a);
   bool fit = clusters_fit();
-  if (a.num_splits > kPortableClusterSplits && !fit) {
+  // Long contexts give more splits than a cluster holds under either limit: the same plan twice.
+  if (a.num_splits > kPortableClusterSplits && !fit && portable != plan) {
     smem = shape_splits<HD>(portable, a);
     fit = clusters_fit();
   }
