@@ -926,7 +926,8 @@ void launch_split(const SplitPlan& plan, const SplitPlan& portable, int* arrival
   };
   smem = shape_splits<HD>(plan, a);
   bool fit = clusters_fit();
-  // Long contexts give more splits than a cluster holds under either limit: the same plan twice.
+  // Where the one-tile rule does not raise the plan (more than kOneTileRows rows, or 16 or more
+  // splits of kMinChunk keys) both limits give the same plan: nothing to shape again.
   if (a.num_splits > kPortableClusterSplits && !fit && portable != plan) {
     smem = shape_splits<HD>(portable, a);
     fit = clusters_fit();
