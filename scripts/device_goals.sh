@@ -2,7 +2,7 @@
 # One device call that measures the open issues' goal rows (docs/PERF.md, "Where the open issues'
 # goals stand") at this tree: bench_moe at I 3072 in MXFP8 and bf16, the tiny preset at 60 layers,
 # the tp-8 rank with every fusion setting and, time left, the MXFP8 tp-4 rank. The ranks run 60
-# layers on a GPU of more than 100 GB (an H200), 30 elsewhere (a bf16 tp-8 rank of 60 layers is
+# layers on a GPU of more than 110000 MiB (an H200), 30 elsewhere (a bf16 tp-8 rank of 60 layers is
 # 101.5 GiB). Each command has a time limit, so a slow one costs its own rows, not the call's.
 #   scripts/device_goals.sh OUT_DIR
 set -uo pipefail
@@ -12,6 +12,9 @@ cd "$(dirname "$0")/.." || exit 1
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+# The tree that ran: the device's copy carries the working tree, whose git HEAD may lag it, so the
+# files that differ from HEAD are listed with it.
+{ git log --oneline -1 && git status --short --untracked-files=no; } 2>&1 | tee "$out/tree.txt"
 scripts/device_build.sh build-gpu tpmoe_cli bench_moe >"$out/build.log" 2>&1 ||
   { echo "build failed: $out/build.log"; tail -n 30 "$out/build.log"; exit 1; }
 export NCCL_NVLS_ENABLE=0
