@@ -23,6 +23,9 @@ export TPMOE_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0
 # The fixtures a device call carries (scripts/device_check.sh's place); else the tests' default.
 [ -d .fixtures ] && export TPMOE_FIXTURES=${TPMOE_FIXTURES:-$PWD/.fixtures}
 
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+echo "side A is this tree:"
+scripts/tree_state.sh | tee "$out/tree.txt"
 side_a=$(mktemp -d)
 scripts/device_build.sh "$build" tpmoe_cli >"$out/build_a.log" 2>&1 || { echo "side A: build failed, $out/build_a.log"; exit 1; }
 cp "$build/tpmoe" "$side_a/tpmoe"  # its RPATH (NCCL, cpp-httplib) is absolute: it runs from there

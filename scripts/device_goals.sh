@@ -12,9 +12,7 @@ cd "$(dirname "$0")/.." || exit 1
 t0=$(date +%s)
 elapsed() { echo $(($(date +%s) - t0)); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-# The tree that ran: the device's copy carries the working tree, whose git HEAD may lag it, so the
-# files that differ from HEAD are listed with it.
-{ git log --oneline -1 && git status --short --untracked-files=no; } 2>&1 | tee "$out/tree.txt"
+scripts/tree_state.sh | tee "$out/tree.txt"
 scripts/device_build.sh build-gpu tpmoe_cli bench_moe >"$out/build.log" 2>&1 ||
   { echo "build failed: $out/build.log"; tail -n 30 "$out/build.log"; exit 1; }
 export NCCL_NVLS_ENABLE=0

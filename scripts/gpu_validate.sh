@@ -12,9 +12,9 @@ bin=$(cd "$1" && pwd)
 out=$(mkdir -p "$2" && cd "$2" && pwd)
 root=$(cd "$(dirname "$0")/.." && pwd)
 export TPMOE_FIXTURES=${TPMOE_FIXTURES:-$root/../shared/fixtures} TPMOE_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0
-cd "$bin"
+cd "$bin" || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-echo "commit: $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)" | tee -a "$out/gpu.txt"
+"$root/scripts/tree_state.sh" | tee "$out/tree.txt"
 status=0
 for t in ${TESTS:-test_cuda_*}; do
   timeout 300 "./$t" --gtest_brief=1 >"$out/$t.log" 2>&1
