@@ -7,7 +7,7 @@
 #  3. The m3 preset decoded across every GPU (--tp N, a thread per GPU) with all four fusion
 #     settings, then rank 0 of the same deployment emulated on one GPU (--emulate-tp N): the
 #     all-reduce fusion's real gain, and what the real collectives cost over the local stand-in.
-#     4 layers a GPU (8 at tp 2: 56 GB a rank in bf16).
+#     4 layers a GPU: 58-59 GiB a rank in bf16 at tp 2, 4 and 8 (`tpmoe inspect`).
 # Each command has a time limit, so a slow one costs its own rows, not the call's, and each starts
 # only where it ends before the call's 600 s.
 #   scripts/device_multigpu.sh OUT_DIR    (carry .devdeps and .fixtures)
