@@ -112,7 +112,10 @@ void read_sampling(const Json& body, ApiRequest& r) {
   }
   r.max_tokens = int_field(body, "max_tokens");
   if (r.endpoint == Endpoint::kChatCompletions)
-    if (auto v = int_field(body, "max_completion_tokens")) r.max_tokens = v;
+    if (auto v = int_field(body, "max_completion_tokens")) {
+      r.max_tokens = v;
+      r.max_tokens_field = "max_completion_tokens";
+    }
 }
 
 // Refuses what would change the reply but is not implemented, rather than ignoring it.

@@ -64,7 +64,10 @@ struct ApiRequest {
   bool read_tool_calls = false;
   bool parallel_tool_calls = true;    // false: only the reply's first call is returned
   std::optional<int64_t> max_tokens;  // unset: the rest of the context
-  SamplingParams sampling;            // all but max_tokens
+  // The field max_tokens came from, for errors: chat takes max_completion_tokens or the older
+  // max_tokens (max_completion_tokens where both are given).
+  const char* max_tokens_field = "max_tokens";
+  SamplingParams sampling;  // all but max_tokens
   bool stream = false;
   bool include_usage = false;  // stream_options.include_usage: a last chunk with the usage
 };

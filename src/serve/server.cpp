@@ -420,16 +420,16 @@ void OpenAIServer::Impl::handle_generate(Endpoint endpoint, const httplib::Reque
                                  "reply): shorten the prompt",
                                  prompt_len, context),
                      prompt_param, "context_length_exceeded");
-    const char* max_param = endpoint == Endpoint::kChatCompletions ? "max_completion_tokens" : "max_tokens";
+    const char* max_param = api.max_tokens_field;
     if (api.max_tokens && *api.max_tokens < 1)
-      throw ApiError(400, fmt::format("'max_tokens' must be at least 1, got {}", *api.max_tokens), max_param,
+      throw ApiError(400, fmt::format("'{}' must be at least 1, got {}", max_param, *api.max_tokens), max_param,
                      "invalid_value");
     const int64_t max_tokens = api.max_tokens.value_or(context - prompt_len);  // vLLM's default: the rest
     if (prompt_len + max_tokens > context)
       throw ApiError(400,
                      fmt::format("this model's context holds {} tokens, and the request asks for {} ({} in the "
-                                 "prompt, {} in the reply): shorten the prompt or lower max_tokens",
-                                 context, prompt_len + max_tokens, prompt_len, max_tokens),
+                                 "prompt, {} in the reply): shorten the prompt or lower {}",
+                                 context, prompt_len + max_tokens, prompt_len, max_tokens, max_param),
                      max_param, "context_length_exceeded");
 
     ServeRequest request;
