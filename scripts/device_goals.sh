@@ -4,16 +4,11 @@
 # the tp-8 rank with every fusion setting and, time left, the MXFP8 tp-4 rank and bench_moe bf16 at
 # I 384 (with I 3072, the widths of issue 11's table of a peer's fused MoE). The ranks run 60
 # layers on a GPU of more than 110000 MiB (an H200), 30 elsewhere (a bf16 tp-8 rank of 60 layers is
-# 101.5 GiB). Each command has a time limit, so a slow one costs its own rows, not the call's.
+# 101.5 GiB). Each command has a time limit (scripts/device_call.sh).
 #   scripts/device_goals.sh OUT_DIR
 set -uo pipefail
-[ $# -eq 1 ] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
-out=$(mkdir -p "$1" && cd "$1" && pwd)
-cd "$(dirname "$0")/.." || exit 1
-t0=$(date +%s)
-elapsed() { echo $(($(date +%s) - t0)); }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
-scripts/tree_state.sh | tee "$out/tree.txt"
+# shellcheck source=scripts/device_call.sh
+source "$(dirname "$0")/device_call.sh" "$@"
 scripts/device_build.sh build-gpu tpmoe_cli bench_moe >"$out/build.log" 2>&1 ||
   { echo "build failed: $out/build.log"; tail -n 30 "$out/build.log"; exit 1; }
 export NCCL_NVLS_ENABLE=0
@@ -21,15 +16,6 @@ memory_mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits |
 layers=30
 [ "${memory_mib:-0}" -gt 110000 ] && layers=60
 
-# run NAME LIMIT_S COMMAND...: stdout to NAME.txt, stderr to NAME.err, its tail printed.
-run() {
-  local name=$1 limit=$2
-  shift 2
-  echo "[$(elapsed) s] $name: $*"
-  timeout "$limit" "$@" >"$out/$name.txt" 2>"$out/$name.err"
-  echo "  exit status $?"
-  tail -n "${TAIL:-20}" "$out/$name.txt"
-}
 run bench_moe_mxfp8 120 build-gpu/bench_moe --dtype mxfp8 --inter 3072
 run bench_moe_bf16 120 build-gpu/bench_moe --inter 3072
 TAIL=5 run tiny 90 build-gpu/tpmoe bench --device cuda --preset tiny --layers 60 --batch 1,16,64

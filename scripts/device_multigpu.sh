@@ -8,33 +8,19 @@
 #     settings, then rank 0 of the same deployment emulated on one GPU (--emulate-tp N): the
 #     all-reduce fusion's real gain, and what the real collectives cost over the local stand-in.
 #     4 layers a GPU: 58-59 GiB a rank in bf16 at tp 2, 4 and 8 (`tpmoe inspect`).
-# Each command has a time limit, so a slow one costs its own rows, not the call's, and each starts
-# only where it ends before the call's 600 s.
+# Each command has a time limit (scripts/device_call.sh) and starts only where it ends before the
+# call's 600 s.
 #   scripts/device_multigpu.sh OUT_DIR    (carry .devdeps and .fixtures)
 set -uo pipefail
-[ $# -eq 1 ] || { echo "usage: $0 OUT_DIR" >&2; exit 2; }
-out=$(mkdir -p "$1" && cd "$1" && pwd)
-cd "$(dirname "$0")/.." || exit 1
-t0=$(date +%s)
-elapsed() { echo $(($(date +%s) - t0)); }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+# shellcheck source=scripts/device_call.sh
+source "$(dirname "$0")/device_call.sh" "$@"
 nvidia-smi topo -m >"$out/topology.txt" 2>&1
-scripts/tree_state.sh | tee "$out/tree.txt"
 gpus=$(nvidia-smi --list-gpus | wc -l)
 [ "$gpus" -ge 2 ] || { echo "$gpus GPU(s): this script needs 2 or more"; exit 1; }
 scripts/device_build.sh build-gpu tpmoe_cli test_cuda_multigpu test_cuda_allreduce >"$out/build.log" 2>&1 ||
   { echo "build failed: $out/build.log"; tail -n 30 "$out/build.log"; exit 1; }
 export TPMOE_FIXTURES=$PWD/.fixtures TPMOE_REQUIRE_GPU=1 NCCL_NVLS_ENABLE=0
 
-# run NAME LIMIT_S COMMAND...: stdout and stderr to NAME.txt, its tail printed.
-run() {
-  local name=$1 limit=$2
-  shift 2
-  echo "[$(elapsed) s] $name: $*"
-  timeout "$limit" "$@" >"$out/$name.txt" 2>&1
-  echo "  exit status $?"
-  tail -n "${TAIL:-20}" "$out/$name.txt"
-}
 TAIL=8 run test_cuda_multigpu 240 build-gpu/test_cuda_multigpu --gtest_brief=1
 TAIL=4 run test_cuda_allreduce 120 build-gpu/test_cuda_allreduce --gtest_brief=1
 for n in 2 4 8; do
