@@ -8,8 +8,9 @@
 #     settings, then rank 0 of the same deployment emulated on one GPU (--emulate-tp N): the
 #     all-reduce fusion's real gain, and what the real collectives cost over the local stand-in.
 #     4 layers a GPU: 58-59 GiB a rank in bf16 at tp 2, 4 and 8 (`tpmoe inspect`).
-# Each command has a time limit (scripts/device_call.sh) and starts only where it ends before the
-# call's 600 s.
+# Each command has a time limit (scripts/device_call.sh). The tests' and the all-reduce runs' limits
+# (240 + 120 + 3 x 60 s) leave a minute of the call's 600 s for the build; the two m3 runs start only
+# where they end before the 600 s.
 #   scripts/device_multigpu.sh OUT_DIR    (carry .devdeps and .fixtures)
 set -uo pipefail
 # shellcheck source=scripts/device_call.sh
