@@ -3,9 +3,9 @@
 // one step) and decode (1, 3, 19 tokens, each in its own slot at its own position, over a cache
 // prefilled through both backends), GQA ratios 1, 2, 4, 8, 16, 20, head_dim 32/64/128/256 (so blocks
 // of one key group and of several, with and without splits after them: attention.cu), index block
-// sizes 8 and 64, topk 2 and 16, local 1 and 2. Every step also checks the cache rows exactly, the
-// splits' merge in a cluster against their merge through the workspace bit for bit and, on sparse
-// layers, the kept-block sets against cpu::select_blocks. The cache is paged (16
+// sizes 8 and 64, topk 2, 16, 32 and 40, local 1 and 2. Every step also checks the cache rows
+// exactly, the splits' merge in a cluster against their merge through the workspace bit for bit
+// and, on sparse layers, the kept-block sets against cpu::select_blocks. The cache is paged (16
 // positions a page) with a shuffled page table, so a kernel that ignored the table (or read a
 // slot's positions as contiguous) would read other sequences' keys.
 //
@@ -442,6 +442,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // contexts past 16 blocks of 64: the top-16 selection matters in decode
                       AttnCase{"sparse_gqa16_hd64_bs64_top16_local2", 16, 1, 64, true, 128, 64, 16, 2, 4096, 1500},
                       AttnCase{"sparse_gqa1_hd32_bs8_top2_local2", 4, 4, 32, true, 32, 8, 2, 2, 512, 300},
+                      // block selection's two rankings at up to 313 blocks of 8 (more than the 256
+                      // threads, so a thread owns two): 32 kept, the most the warps' ranking takes,
+                      // and 40, past it (repeated block-wide argmax)
+                      AttnCase{"sparse_gqa4_hd64_bs8_top32_local2", 8, 2, 64, true, 64, 8, 32, 2, 4096, 2500},
+                      AttnCase{"sparse_gqa4_hd64_bs8_top40_local2", 8, 2, 64, true, 64, 8, 40, 2, 4096, 2500},
                       // index heads of 256 dims: block selection's general scoring loop (the 4-step
                       // one takes up to 128)
                       AttnCase{"sparse_gqa4_hd64_ihd256_bs16_top4_local1", 8, 2, 64, true, 256, 16, 4, 1, 1024, 500},

@@ -12,9 +12,10 @@
 // 2. select_blocks_kernel (sparse layers), one block per (token, index head g): fp32 scores
 //    iq[g]·ik[s] for s <= pos (bf16 inputs, no scale; 8 lanes per key), block max by atomicMax on
 //    order-preserving uint32 keys in shared memory (order-independent, hence exact), the local
-//    blocks set to +inf, then the top min(topk, pos/bs + 1) blocks by repeated block-wide argmax
-//    over (score desc, block index asc): ties go to the lower block, as in the CPU oracle. A chosen
-//    -inf block ends the selection (it and everything after it are dropped). Output: kept-block
+//    blocks set to +inf, then the top min(topk, pos/bs + 1) blocks over (score desc, block index
+//    asc): ties go to the lower block, as in the CPU oracle. Up to 32 kept blocks are ranked by
+//    warps with at most one block barrier (rank_by_warps), more by repeated block-wide argmax. A
+//    chosen -inf block ends the selection (it and everything after it are dropped). Output: kept-block
 //    list int32 [T][nih][topk] in the workspace, ascending, -1 padded. Shared memory holds one
 //    uint32 per block of max_len: ceil(max_len/bs)*4 bytes (16 KiB at 256k keys, bs 64).
 //    Bytes: T * nih * pos * ihd * 2 (index keys, read once per index head).
@@ -110,6 +111,7 @@ constexpr int64_t kMaxPartialRows = 16384;  // (token, q head, split) partial ro
 constexpr int kPortableClusterSplits = int(kPortableClusterSize);
 constexpr int kMaxClusterSplits = int(kMaxClusterSize);
 constexpr int kSelectThreads = 256;
+constexpr int kSelectWarps = kSelectThreads / kWarp;
 constexpr int kCacheWriteThreads = 128;
 constexpr size_t kSmemOptInMax = 227 * 1024;  // sm_90 dynamic + static shared memory per block
 constexpr size_t kSelectStaticSmem = 4096;    // bound on select_blocks_kernel's static arrays
@@ -272,12 +274,97 @@ struct SelectArgs {
   int local_blocks;
 };
 
+// Block b's ranking value: its key above, ~b below, so a larger value is a higher score and, among
+// equal scores, the lower block (the oracle's tie order). 0 only for a removed block.
+__device__ __forceinline__ unsigned long long block_rank_key(const uint32_t* block_key, int b) {
+  return (static_cast<unsigned long long>(block_key[b]) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(b));
+}
+__device__ __forceinline__ int ranked_block(unsigned long long v) { return int(0xFFFFFFFFull - (v & 0xFFFFFFFFull)); }
+
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+// The top `keep` (<= 32) of block_key[0, num_blocks) into out[0, topk): ascending, -1 padded, a
+// -inf block ending the selection. Warp 0 takes `keep` rounds of warp argmax over candidates held
+// in registers (8 a lane), only the round's winning lane rescanning its own, and writes the winners
+// in block order; the other warps leave. Up to 256 blocks the candidates are the blocks themselves
+// and no barrier is needed. Past that each warp first ranks the blocks its threads own (b = tid mod
+// 256) the same way, the winning lane rescanning its blocks in shared memory, and after one barrier
+// warp 0 ranks the 8 warps' top `keep` (the top `keep` of all are among them: a block outside its
+// warp's top `keep` has `keep` better ones). Block-wide argmax passes take two barriers a kept
+// block. Exact: the 64-bit values are distinct, so every step is a comparison with one answer.
+__device__ void rank_by_warps(uint32_t* block_key, int num_blocks, int keep, int topk, int32_t* out,
+                              unsigned long long (*warp_cand)[kWarp]) {
+  const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
+  auto above_neg_inf = [](unsigned long long v) { return uint32_t(v >> 32) > kKeyNegInf; };
+  unsigned long long cand[kSelectWarps];  // removed or absent: 0, below every block
+  if (num_blocks <= kSelectThreads) {
+    if (warp != 0) return;
+#pragma unroll
+    for (int w = 0; w < kSelectWarps; ++w) {
+      const int b = w * kWarp + lane;
+      cand[w] = b < num_blocks ? block_rank_key(block_key, b) : 0;
+    }
+  } else {
+    auto own_best = [&] {
+      unsigned long long v = 0;
+      for (int b = tid; b < num_blocks; b += kSelectThreads) v = max(v, block_rank_key(block_key, b));
+      return v;
+    };
+    unsigned long long mine = own_best();
+    int n = 0;
+    for (; n < keep; ++n) {
+      const unsigned long long best = warp_max(mine);
+      if (!above_neg_inf(best)) break;  // warp-uniform: only -inf or removed blocks left
+      if (lane == 0) warp_cand[warp][n] = best;
+      if (best == mine) {  // this lane owns the winner
+        block_key[ranked_block(best)] = kKeyRemoved;
+        mine = own_best();
+      }
+    }
+    if (n + lane < kWarp) warp_cand[warp][n + lane] = 0;
+    __syncthreads();
+    if (warp != 0) return;
+#pragma unroll
+    for (int w = 0; w < kSelectWarps; ++w) cand[w] = warp_cand[w][lane];  // warp w's lane-th best
+  }
+
+  auto cand_best = [&] {
+    unsigned long long v = 0;
+#pragma unroll
+    for (int w = 0; w < kSelectWarps; ++w) v = max(v, cand[w]);
+    return v;
+  };
+  unsigned long long mine = cand_best();
+  int my_block = INT_MAX;  // lane r: the r-th kept block by rank
+  int n = 0;
+  for (; n < keep; ++n) {
+    const unsigned long long best = warp_max(mine);
+    if (!above_neg_inf(best)) break;
+    if (lane == n) my_block = ranked_block(best);
+    if (best == mine) {
+#pragma unroll
+      for (int w = 0; w < kSelectWarps; ++w)
+        if (cand[w] == best) cand[w] = 0;
+      mine = cand_best();
+    }
+  }
+  // Position in block order: the kept blocks below mine (n is warp-uniform).
+  int below = 0;
+  for (int j = 0; j < n; ++j) below += __shfl_sync(0xffffffffu, my_block, j) < my_block;
+  if (lane < n) out[below] = my_block;
+  for (int e = n + lane; e < topk; e += kWarp) out[e] = -1;
+}
+
 // Dynamic shared memory: float iq[ihd], then uint32 block_key[ceil(max_len / bs)].
 __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const SelectArgs a) {
   extern __shared__ __align__(16) unsigned char select_smem[];
   float* iq = reinterpret_cast<float*>(select_smem);
   uint32_t* block_key = reinterpret_cast<uint32_t*>(select_smem + size_t(a.index_head_dim) * sizeof(float));
-  __shared__ unsigned long long warp_best[kSelectThreads / kWarp];
+  __shared__ unsigned long long warp_cand[kSelectWarps][kWarp];  // rank_by_warps' candidates
   __shared__ int kept_s[kMaxTopk];
   __shared__ int num_kept_s;
   __shared__ int done_s;
@@ -373,7 +460,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
     return;
   }
 
-  // keep < num_blocks: `keep` passes of block-wide argmax over (key desc, block index asc).
+  // keep < num_blocks: rank by (key desc, block index asc) as one 64-bit value (key << 32 | ~b).
+  if (keep <= kWarp) {
+    rank_by_warps(block_key, num_blocks, keep, a.topk, out, warp_cand);
+    return;
+  }
+  // More than a warp's worth kept: `keep` passes of block-wide argmax.
   if (tid == 0) {
     num_kept_s = 0;
     done_s = 0;
@@ -381,24 +473,16 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   __syncthreads();
   for (int r = 0; r < keep; ++r) {
     unsigned long long best = 0;
-    for (int b = tid; b < num_blocks; b += blockDim.x) {
-      const unsigned long long cand =
-          (static_cast<unsigned long long>(block_key[b]) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(b));
-      best = cand > best ? cand : best;
-    }
-#pragma unroll
-    for (int off = kWarp / 2; off > 0; off >>= 1) {
-      const unsigned long long o = __shfl_xor_sync(0xffffffffu, best, off);
-      best = o > best ? o : best;
-    }
-    if (lane == 0) warp_best[warp] = best;
+    for (int b = tid; b < num_blocks; b += blockDim.x) best = max(best, block_rank_key(block_key, b));
+    best = warp_max(best);
+    if (lane == 0) warp_cand[warp][0] = best;
     __syncthreads();
     if (tid == 0) {
-      for (int w = 1; w < num_warps; ++w) best = warp_best[w] > best ? warp_best[w] : best;
+      for (int w = 1; w < num_warps; ++w) best = max(best, warp_cand[w][0]);
       if (uint32_t(best >> 32) <= kKeyNegInf) {
         done_s = 1;  // the best left is -inf: it and all the rest are dropped
       } else {
-        const int b = int(0xFFFFFFFFull - (best & 0xFFFFFFFFull));
+        const int b = ranked_block(best);
         kept_s[num_kept_s++] = b;
         block_key[b] = kKeyRemoved;
       }
