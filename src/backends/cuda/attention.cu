@@ -12,13 +12,13 @@
 // 2. select_blocks_kernel (sparse layers), one block per (token, index head g): fp32 scores
 //    iq[g]·ik[s] for s <= pos (bf16 inputs, no scale; 8 lanes per key), block max by atomicMax on
 //    order-preserving uint32 keys in shared memory (order-independent, hence exact), the local
-//    blocks set to +inf, then the top min(topk, pos/bs + 1) blocks over (score desc, block index
+//    blocks held at +inf, then the top min(topk, pos/bs + 1) blocks over (score desc, block index
 //    asc): ties go to the lower block, as in the CPU oracle. Up to 32 kept blocks are ranked by
 //    warps with at most one block barrier (rank_by_warps), more by repeated block-wide argmax. A
 //    chosen -inf block ends the selection (it and everything after it are dropped). Output: kept-block
 //    list int32 [T][nih][topk] in the workspace, ascending, -1 padded. Shared memory holds one
 //    uint32 per block of max_len: ceil(max_len/bs)*4 bytes (16 KiB at 256k keys, bs 64).
-//    Bytes: T * nih * pos * ihd * 2 (index keys, read once per index head).
+//    Bytes: up to T * nih * pos * ihd * 2 (the index keys before the local blocks, once an index head).
 //    Not launched where the step's context bound has no more blocks than topk_blocks: every
 //    visible block would be kept, so the layer runs as a full one (attention_keeps_every_block).
 // 3. attention_split_kernel<HD> (flash-decoding), grid (token, kv head x head chunk, split):
@@ -380,11 +380,15 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
 
   const __nv_bfloat16* q_row = a.index_q + (size_t(t) * a.num_index_heads + g) * ihd;
   for (int i = tid; i < ihd; i += blockDim.x) iq[i] = __bfloat162float(q_row[i]);
-  for (int b = tid; b < num_blocks; b += blockDim.x) block_key[b] = kKeyNegInf;
+  // The local blocks pos/bs - j (j < local_blocks, clamped at 0) start at +inf, which no score's
+  // key exceeds (NaN scores are skipped), so they stay there; the others start at -inf.
+  const int first_local = num_blocks - a.local_blocks;
+  const int scored_end = min(pos + 1, max(0, first_local) * bs);  // keys [0, scored_end) are scored
+  for (int b = tid; b < num_blocks; b += blockDim.x) block_key[b] = b >= first_local ? kKeyPosInf : kKeyNegInf;
   __syncthreads();
 
-  // Scores: 8 lanes per key, 4 keys per warp per step; the loop bound is warp-uniform so every
-  // lane takes part in the shuffles.
+  // Scores of the keys before the local blocks (theirs could not move a +inf): 8 lanes per key, 4
+  // keys per warp per step; the loop bound is warp-uniform so every lane takes part in the shuffles.
   const int sub = lane / 8, lane8 = lane % 8, chunks = ihd / 8;
   const int32_t* slot_pages = a.pages.slot_pages(slot);
   // One key's score from this lane's loaded chunks (the 8 lanes of the key summed): into its block's key.
@@ -393,7 +397,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     // NaN scores are skipped, as std::max(block, NaN) keeps the block's value in the oracle.
-    if (lane8 == 0 && s <= pos && !isnan(acc)) atomicMax(&block_key[s / bs], order_key(acc));
+    if (lane8 == 0 && s < scored_end && !isnan(acc)) atomicMax(&block_key[s / bs], order_key(acc));
   };
   auto dot_chunk = [&](uint4 kv, int c, float acc) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&kv);
@@ -412,12 +416,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
     // warp waits on its chain of dependent loads once per kU steps instead of once a step.
     constexpr int kU = 4;
     const int stride = num_warps * 4;
-    for (int s0 = warp * 4; s0 <= pos; s0 += stride * kU) {
+    for (int s0 = warp * 4; s0 < scored_end; s0 += stride * kU) {
       size_t row[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         const int s = s0 + u * stride + sub;
-        row[u] = s <= pos ? PageMap::row(slot_pages, a.pages.shift, s) : 0;
+        row[u] = s < scored_end ? PageMap::row(slot_pages, a.pages.shift, s) : 0;
       }
       uint4 kv[kU][2];
 #pragma unroll
@@ -425,8 +429,9 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int c = lane8 + 8 * j, s = s0 + u * stride + sub;
-          kv[u][j] = s <= pos && c < chunks ? *reinterpret_cast<const uint4*>(a.index_k_cache + row[u] * ihd + c * 8)
-                                            : make_uint4(0, 0, 0, 0);
+          kv[u][j] = s < scored_end && c < chunks
+                         ? *reinterpret_cast<const uint4*>(a.index_k_cache + row[u] * ihd + c * 8)
+                         : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
@@ -438,19 +443,16 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
       }
     }
   } else {
-    for (int s0 = warp * 4; s0 <= pos; s0 += num_warps * 4) {
+    for (int s0 = warp * 4; s0 < scored_end; s0 += num_warps * 4) {
       const int s = s0 + sub;
       float acc = 0.f;
-      if (s <= pos) {
+      if (s < scored_end) {
         const __nv_bfloat16* k_row = a.index_k_cache + PageMap::row(slot_pages, a.pages.shift, s) * ihd;
         for (int c = lane8; c < chunks; c += 8) acc = dot_chunk(*reinterpret_cast<const uint4*>(k_row + c * 8), c, acc);
       }
       score(s, acc);
     }
   }
-  __syncthreads();
-  if (tid == 0)
-    for (int j = 0; j < a.local_blocks; ++j) block_key[max(0, pos / bs - j)] = kKeyPosInf;
   __syncthreads();
 
   int32_t* out = a.kept + (size_t(t) * a.num_index_heads + g) * a.topk;
