@@ -9,7 +9,8 @@
 //    the head norm + RoPE kernel (norm.cu), one launch fewer a layer. That kernel runs before the
 //    launches below and each of them waits for its predecessor to finish (pdl_wait), so the
 //    property holds there too: every key of the step is in the cache before any query reads.
-// 2. select_blocks_kernel (sparse layers), one block per (token, index head g): fp32 scores
+// 2. select_blocks_kernel (sparse layers), one block per (token, index head g), or a cluster of up
+//    to 8 splitting the key scan where the step has few tokens (select_cluster): fp32 scores
 //    iq[g]·ik[s] for s <= pos (bf16 inputs, no scale; 8 lanes per key), block max by atomicMax on
 //    order-preserving uint32 keys in shared memory (order-independent, hence exact), the local
 //    blocks held at +inf, then the top min(topk, pos/bs + 1) blocks over (score desc, block index
@@ -112,6 +113,7 @@ constexpr int kPortableClusterSplits = int(kPortableClusterSize);
 constexpr int kMaxClusterSplits = int(kMaxClusterSize);
 constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / kWarp;
+constexpr int kSelectKeysPerCta = 512;  // select_cluster
 constexpr int kCacheWriteThreads = 128;
 constexpr size_t kSmemOptInMax = 227 * 1024;  // sm_90 dynamic + static shared memory per block
 constexpr size_t kSelectStaticSmem = 4096;    // bound on select_blocks_kernel's static arrays
@@ -272,6 +274,7 @@ struct SelectArgs {
   int block_size;
   int topk;
   int local_blocks;
+  int cluster;  // CTAs splitting a (token, index head)'s key scan: gridDim.z, one cluster
 };
 
 // Block b's ranking value: its key above, ~b below, so a larger value is a higher score and, among
@@ -359,7 +362,13 @@ __device__ void rank_by_warps(uint32_t* block_key, int num_blocks, int keep, int
   for (int e = n + lane; e < topk; e += kWarp) out[e] = -1;
 }
 
-// Dynamic shared memory: float iq[ihd], then uint32 block_key[ceil(max_len / bs)].
+// Grid (token, index head, cluster rank): the CTAs of a cluster (along z, SelectArgs::cluster of
+// them) split the key scan, one warp of the cluster a 4-key group at a time, and take the block
+// maxima into rank 0's block_key (atomics on distributed shared memory: order-independent, hence
+// exact); rank 0 then ranks alone. A short step (a few tokens) is a few CTAs, each scanning up to its
+// whole context with dependent loads (page, then key) a round trip each: the cluster puts more
+// loads in flight at once.
+// Dynamic shared memory: float iq[ihd], then uint32 block_key[ceil(max_len / bs)] (rank 0's used).
 __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const SelectArgs a) {
   extern __shared__ __align__(16) unsigned char select_smem[];
   float* iq = reinterpret_cast<float*>(select_smem);
@@ -371,12 +380,15 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   pdl_wait();
   pdl_trigger();
 
-  const int t = blockIdx.x, g = blockIdx.y;
+  const int t = blockIdx.x, g = blockIdx.y, rank = blockIdx.z;
+  const bool in_cluster = a.cluster > 1;
   const int pos = a.positions[t], slot = a.seq_slots[t];
   const int bs = a.block_size, ihd = a.index_head_dim;
   const int num_blocks = pos / bs + 1;  // blocks holding a key <= pos
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
   const int num_warps = blockDim.x / kWarp;
+  // This warp's place among the cluster's warps, which scan the keys together.
+  const int scan_warp = rank * num_warps + warp, scan_warps = a.cluster * num_warps;
 
   const __nv_bfloat16* q_row = a.index_q + (size_t(t) * a.num_index_heads + g) * ihd;
   for (int i = tid; i < ihd; i += blockDim.x) iq[i] = __bfloat162float(q_row[i]);
@@ -384,8 +396,13 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   // key exceeds (NaN scores are skipped), so they stay there; the others start at -inf.
   const int first_local = num_blocks - a.local_blocks;
   const int scored_end = min(pos + 1, max(0, first_local) * bs);  // keys [0, scored_end) are scored
-  for (int b = tid; b < num_blocks; b += blockDim.x) block_key[b] = b >= first_local ? kKeyPosInf : kKeyNegInf;
-  __syncthreads();
+  if (rank == 0)
+    for (int b = tid; b < num_blocks; b += blockDim.x) block_key[b] = b >= first_local ? kKeyPosInf : kKeyNegInf;
+  // Rank 0's block_key is set before any CTA of the cluster takes a maximum into it.
+  if (in_cluster)
+    cluster_sync();
+  else
+    __syncthreads();
 
   // Scores of the keys before the local blocks (theirs could not move a +inf): 8 lanes per key, 4
   // keys per warp per step; the loop bound is warp-uniform so every lane takes part in the shuffles.
@@ -397,7 +414,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
     acc += __shfl_xor_sync(0xffffffffu, acc, 2);
     acc += __shfl_xor_sync(0xffffffffu, acc, 1);
     // NaN scores are skipped, as std::max(block, NaN) keeps the block's value in the oracle.
-    if (lane8 == 0 && s < scored_end && !isnan(acc)) atomicMax(&block_key[s / bs], order_key(acc));
+    if (lane8 == 0 && s < scored_end && !isnan(acc)) {
+      if (in_cluster)
+        cluster_max_u32(cluster_map(smem_addr(&block_key[s / bs]), 0), order_key(acc));
+      else
+        atomicMax(&block_key[s / bs], order_key(acc));
+    }
   };
   auto dot_chunk = [&](uint4 kv, int c, float acc) {
     const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&kv);
@@ -415,8 +437,8 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
     // at once - every page lookup, then every key load, then the sums (in the loop's order) - so a
     // warp waits on its chain of dependent loads once per kU steps instead of once a step.
     constexpr int kU = 4;
-    const int stride = num_warps * 4;
-    for (int s0 = warp * 4; s0 < scored_end; s0 += stride * kU) {
+    const int stride = scan_warps * 4;
+    for (int s0 = scan_warp * 4; s0 < scored_end; s0 += stride * kU) {
       size_t row[kU];
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
@@ -443,7 +465,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
       }
     }
   } else {
-    for (int s0 = warp * 4; s0 < scored_end; s0 += num_warps * 4) {
+    for (int s0 = scan_warp * 4; s0 < scored_end; s0 += scan_warps * 4) {
       const int s = s0 + sub;
       float acc = 0.f;
       if (s < scored_end) {
@@ -453,7 +475,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
       score(s, acc);
     }
   }
-  __syncthreads();
+  if (in_cluster) {
+    cluster_sync();  // every maximum is in rank 0's block_key
+    if (rank != 0) return;
+  } else {
+    __syncthreads();
+  }
 
   int32_t* out = a.kept + (size_t(t) * a.num_index_heads + g) * a.topk;
   const int keep = min(a.topk, num_blocks);
@@ -1030,6 +1057,17 @@ void launch_split(const SplitPlan& plan, const SplitPlan& portable, int* arrival
                       a.cluster_merge ? unsigned(a.num_splits) : 1u, a);
 }
 
+// CTAs a (token, index head)'s selection splits its key scan over: one per kSelectKeysPerCta keys of
+// the context bound, up to the portable cluster size, halved while the grid would hold more CTAs
+// than the GPU has SMs (a prefill's many tokens already fill it). A function of the launch's
+// arguments and the GPU only, so a captured graph keeps its shape.
+int select_cluster(int num_tokens, int num_index_heads, int context_bound) {
+  int cluster = int(std::min<int64_t>(kPortableClusterSize, ceil_div(context_bound, kSelectKeysPerCta)));
+  const int64_t sms = sm_count();
+  while (cluster > 1 && int64_t(num_tokens) * num_index_heads * cluster > sms) cluster /= 2;
+  return std::max(cluster, 1);
+}
+
 }  // namespace
 
 size_t attention_workspace_bytes(int max_tokens, int num_q_heads, int num_index_heads, int head_dim, int max_len,
@@ -1159,7 +1197,9 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
     a.block_size = p.block_size;
     a.topk = p.topk_blocks;
     a.local_blocks = p.local_blocks;
-    launch_pdl(select_blocks_kernel, dim3(unsigned(T), unsigned(p.num_index_heads)), dim3(kSelectThreads), smem, on, a);
+    a.cluster = select_cluster(T, p.num_index_heads, bound);
+    launch_pdl_clusters(select_blocks_kernel, dim3(unsigned(T), unsigned(p.num_index_heads), unsigned(a.cluster)),
+                        dim3(kSelectThreads), smem, on, unsigned(a.cluster), a);
   }
 
   // 3. split-KV attention, its splits merged by the last to finish (topk_blocks = 0 on a sparse

@@ -200,6 +200,16 @@ __device__ __forceinline__ void cluster_arrive_relaxed() {
   asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
 }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait;\n" ::: "memory"); }
+// Every thread of every CTA of the cluster arrives and waits: the cluster's __syncthreads. The
+// arrival releases and the wait acquires, so what a thread wrote (to its own or another CTA's shared
+// memory) before it is seen by every thread of the cluster after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+// atomicMax on a uint32 at cluster shared address `at` (another CTA's, or this one's), its result unused.
+__device__ __forceinline__ void cluster_max_u32(uint32_t at, uint32_t v) {
+  asm volatile("red.relaxed.cluster.shared::cluster.max.u32 [%0], %1;\n" ::"r"(at), "r"(v) : "memory");
+}
 // The address, in the cluster's shared window, of this CTA's shared address `local` in the CTA of rank `rank`.
 __device__ __forceinline__ uint32_t cluster_map(uint32_t local, int rank) {
   uint32_t remote;
