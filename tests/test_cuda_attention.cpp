@@ -56,6 +56,10 @@ struct AttnCase {
   // Every launch with splits merges them in a cluster (2-16 splits a row), so the workspace's
   // partials are never written (checked: a silent fallback to the workspace path would write them).
   bool merges_in_cluster = false;
+  // Added to every k element and taken from every q element (after the random draw): every score
+  // then lies far below zero (about -offset^2 * hd * scale), so a softmax that subtracted anything
+  // but the running maximum of the scores would underflow to 0 / 0.
+  float qk_offset = 0.f;
 };
 
 std::ostream& operator<<(std::ostream& os, const AttnCase& c) { return os << c.name; }
@@ -132,8 +136,12 @@ class Harness {
     st.page_table = page_table_;
 
     // The oracle gets exactly the bf16 values the GPU gets.
-    std::vector<float> q = round_bf16(random_floats(size_t(T) * nq * hd, 1.f, seed));
-    std::vector<float> k = round_bf16(random_floats(size_t(T) * nkv * hd, 1.f, seed + 1));
+    std::vector<float> q = random_floats(size_t(T) * nq * hd, 1.f, seed);
+    std::vector<float> k = random_floats(size_t(T) * nkv * hd, 1.f, seed + 1);
+    for (float& x : q) x -= c_.qk_offset;
+    for (float& x : k) x += c_.qk_offset;
+    q = round_bf16(q);
+    k = round_bf16(k);
     std::vector<float> v = round_bf16(random_floats(size_t(T) * nkv * hd, 1.f, seed + 2));
     std::vector<float> iq = c_.sparse ? exact_index_values(size_t(T) * nih * ihd, seed + 3) : std::vector<float>{};
     std::vector<float> ik = c_.sparse ? exact_index_values(size_t(T) * ihd, seed + 4) : std::vector<float>{};
@@ -401,7 +409,8 @@ TEST_P(CudaAttention, Decode) {
   }
 }
 
-// name, nq, nkv, hd, sparse, ihd, bs, topk, local, max_len, decode_ctx[, context_bound, merges_in_cluster]
+// name, nq, nkv, hd, sparse, ihd, bs, topk, local, max_len, decode_ctx[, context_bound, merges_in_cluster,
+// qk_offset]
 INSTANTIATE_TEST_SUITE_P(
     Cases, CudaAttention,
     ::testing::Values(AttnCase{"full_gqa2_hd32", 8, 4, 32, false, 0, 0, 0, 0, 256, 200},
@@ -422,6 +431,8 @@ INSTANTIATE_TEST_SUITE_P(
                       // the limit before)
                       AttnCase{"full_gqa8_hd128_bound256", 8, 1, 128, false, 0, 0, 0, 0, 2048, 200, 256, true},
                       AttnCase{"full_gqa1_hd64", 4, 4, 64, false, 0, 0, 0, 0, 1024, 500},
+                      // scores of about -2048 / sqrt(128), -261 in log2 units: exp2 of one is 0 in fp32
+                      AttnCase{"full_gqa8_hd128_neg_scores", 16, 2, 128, false, 0, 0, 0, 0, 2048, 300, 0, false, 4.f},
                       // 16 heads a block, one key group: at 19 tokens the partial rows cap the splits
                       // at 26 of 79 keys, so a decode split walks three tiles, the first two of them
                       // copied before the PDL wait and the third in the walk's pipeline

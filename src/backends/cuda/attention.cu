@@ -283,12 +283,8 @@ __device__ __forceinline__ unsigned long long block_rank_key(const uint32_t* blo
   return (static_cast<unsigned long long>(block_key[b]) << 32) | (0xFFFFFFFFull - static_cast<uint32_t>(b));
 }
 __device__ __forceinline__ int ranked_block(unsigned long long v) { return int(0xFFFFFFFFull - (v & 0xFFFFFFFFull)); }
-
-__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-}
+// Whether a ranking value's block scored above -inf (removed blocks, 0, do not).
+__device__ __forceinline__ bool ranks_above_neg_inf(unsigned long long v) { return uint32_t(v >> 32) > kKeyNegInf; }
 
 // The top `keep` (<= 32) of block_key[0, num_blocks) into out[0, topk): ascending, -1 padded, a
 // -inf block ending the selection. Warp 0 takes `keep` rounds of warp argmax over candidates held
@@ -302,7 +298,6 @@ __device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
 __device__ void rank_by_warps(uint32_t* block_key, int num_blocks, int keep, int topk, int32_t* out,
                               unsigned long long (*warp_cand)[kWarp]) {
   const int tid = threadIdx.x, lane = tid % kWarp, warp = tid / kWarp;
-  auto above_neg_inf = [](unsigned long long v) { return uint32_t(v >> 32) > kKeyNegInf; };
   unsigned long long cand[kSelectWarps];  // removed or absent: 0, below every block
   if (num_blocks <= kSelectThreads) {
     if (warp != 0) return;
@@ -321,7 +316,7 @@ __device__ void rank_by_warps(uint32_t* block_key, int num_blocks, int keep, int
     int n = 0;
     for (; n < keep; ++n) {
       const unsigned long long best = warp_max(mine);
-      if (!above_neg_inf(best)) break;  // warp-uniform: only -inf or removed blocks left
+      if (!ranks_above_neg_inf(best)) break;  // warp-uniform: only -inf or removed blocks left
       if (lane == 0) warp_cand[warp][n] = best;
       if (best == mine) {  // this lane owns the winner
         block_key[ranked_block(best)] = kKeyRemoved;
@@ -346,7 +341,7 @@ __device__ void rank_by_warps(uint32_t* block_key, int num_blocks, int keep, int
   int n = 0;
   for (; n < keep; ++n) {
     const unsigned long long best = warp_max(mine);
-    if (!above_neg_inf(best)) break;
+    if (!ranks_above_neg_inf(best)) break;
     if (lane == n) my_block = ranked_block(best);
     if (best == mine) {
 #pragma unroll
@@ -508,7 +503,7 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
     __syncthreads();
     if (tid == 0) {
       for (int w = 1; w < num_warps; ++w) best = max(best, warp_cand[w][0]);
-      if (uint32_t(best >> 32) <= kKeyNegInf) {
+      if (!ranks_above_neg_inf(best)) {
         done_s = 1;  // the best left is -inf: it and all the rest are dropped
       } else {
         const int b = ranked_block(best);

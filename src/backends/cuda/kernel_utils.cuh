@@ -273,6 +273,12 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int off = kWarp / 2; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
   return v;
 }
+// For packed (key, index) values: the warp's argmax in one reduction.
+__device__ __forceinline__ unsigned long long warp_max(unsigned long long v) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
 
 // Sum over the block (blockDim.x a multiple of 32, at most kMaxBlockThreads); every thread gets the
 // total. One shape for every normalising kernel, so the fused all-reduce norms and the plain norm
