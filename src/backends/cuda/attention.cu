@@ -274,7 +274,8 @@ struct SelectArgs {
   int block_size;
   int topk;
   int local_blocks;
-  int cluster;  // CTAs splitting a (token, index head)'s key scan: gridDim.z, one cluster
+  int cluster;      // CTAs splitting a (token, index head)'s key scan: gridDim.z, one cluster
+  int decode_step;  // AttentionKernelParams::decode_step: keys below pos may be read before the wait
 };
 
 // Block b's ranking value: its key above, ~b below, so a larger value is a higher score and, among
@@ -372,9 +373,12 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   __shared__ int kept_s[kMaxTopk];
   __shared__ int num_kept_s;
   __shared__ int done_s;
-  pdl_wait();
-  pdl_trigger();
 
+  // Before the PDL wait the kernel reads only the step's inputs (positions, slots, the page table)
+  // and, in a decode step (SelectArgs::decode_step), index keys below the token's position, which
+  // earlier steps stored: it sets up the block maxima and loads its first round of keys while the
+  // kernel before (the head norm + RoPE that writes this step's index query) still runs. After the
+  // wait it reads the query, then scores what it holds.
   const int t = blockIdx.x, g = blockIdx.y, rank = blockIdx.z;
   const bool in_cluster = a.cluster > 1;
   const int pos = a.positions[t], slot = a.seq_slots[t];
@@ -385,19 +389,15 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
   // This warp's place among the cluster's warps, which scan the keys together.
   const int scan_warp = rank * num_warps + warp, scan_warps = a.cluster * num_warps;
 
-  const __nv_bfloat16* q_row = a.index_q + (size_t(t) * a.num_index_heads + g) * ihd;
-  for (int i = tid; i < ihd; i += blockDim.x) iq[i] = __bfloat162float(q_row[i]);
   // The local blocks pos/bs - j (j < local_blocks, clamped at 0) start at +inf, which no score's
   // key exceeds (NaN scores are skipped), so they stay there; the others start at -inf.
   const int first_local = num_blocks - a.local_blocks;
   const int scored_end = min(pos + 1, max(0, first_local) * bs);  // keys [0, scored_end) are scored
   if (rank == 0)
     for (int b = tid; b < num_blocks; b += blockDim.x) block_key[b] = b >= first_local ? kKeyPosInf : kKeyNegInf;
-  // Rank 0's block_key is set before any CTA of the cluster takes a maximum into it.
-  if (in_cluster)
-    cluster_sync();
-  else
-    __syncthreads();
+  // Rank 0's block_key is set before any CTA of the cluster takes a maximum into it (shared memory
+  // only: this may go before the wait).
+  if (in_cluster) cluster_sync();
 
   // Scores of the keys before the local blocks (theirs could not move a +inf): 8 lanes per key, 4
   // keys per warp per step; the loop bound is warp-uniform so every lane takes part in the shuffles.
@@ -427,29 +427,47 @@ __global__ void __launch_bounds__(kSelectThreads) select_blocks_kernel(const Sel
     }
     return acc;
   };
-  if (chunks <= 16) {
-    // Index heads of up to 128 dims (two 16-byte chunks a lane): kU steps of the general loop below
-    // at once - every page lookup, then every key load, then the sums (in the loop's order) - so a
-    // warp waits on its chain of dependent loads once per kU steps instead of once a step.
-    constexpr int kU = 4;
-    const int stride = scan_warps * 4;
-    for (int s0 = scan_warp * 4; s0 < scored_end; s0 += stride * kU) {
-      size_t row[kU];
+
+  // Index heads of up to 128 dims (two 16-byte chunks a lane) scan kU steps of the general loop
+  // below at once - every page lookup, then every key load, then the sums (in the loop's order) - so
+  // a warp waits on its chain of dependent loads once per kU steps instead of once a step.
+  constexpr int kU = 4;
+  const bool unrolled = chunks <= 16;
+  const int stride = scan_warps * 4;
+  uint4 kv[kU][2];
+  auto load_round = [&](int s0) {
+    size_t row[kU];
 #pragma unroll
-      for (int u = 0; u < kU; ++u) {
-        const int s = s0 + u * stride + sub;
-        row[u] = s < scored_end ? PageMap::row(slot_pages, a.pages.shift, s) : 0;
+    for (int u = 0; u < kU; ++u) {
+      const int s = s0 + u * stride + sub;
+      row[u] = s < scored_end ? PageMap::row(slot_pages, a.pages.shift, s) : 0;
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u)
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c = lane8 + 8 * j, s = s0 + u * stride + sub;
+        kv[u][j] = s < scored_end && c < chunks
+                       ? *reinterpret_cast<const uint4*>(a.index_k_cache + row[u] * ihd + c * 8)
+                       : make_uint4(0, 0, 0, 0);
       }
-      uint4 kv[kU][2];
-#pragma unroll
-      for (int u = 0; u < kU; ++u)
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int c = lane8 + 8 * j, s = s0 + u * stride + sub;
-          kv[u][j] = s < scored_end && c < chunks
-                         ? *reinterpret_cast<const uint4*>(a.index_k_cache + row[u] * ihd + c * 8)
-                         : make_uint4(0, 0, 0, 0);
-        }
+  };
+  // The first round's keys before the wait: below the token's position (scored_end <= pos, true
+  // whenever a local block is kept), so stored by earlier steps in a decode step.
+  const int first_round = scan_warp * 4;
+  const bool early = unrolled && a.decode_step && scored_end <= pos;
+  if (early) load_round(first_round);
+
+  pdl_wait();
+  pdl_trigger();
+
+  const __nv_bfloat16* q_row = a.index_q + (size_t(t) * a.num_index_heads + g) * ihd;
+  for (int i = tid; i < ihd; i += blockDim.x) iq[i] = __bfloat162float(q_row[i]);
+  __syncthreads();  // iq (and, without a cluster, block_key)
+
+  if (unrolled) {
+    for (int s0 = first_round; s0 < scored_end; s0 += stride * kU) {
+      if (!(early && s0 == first_round)) load_round(s0);
 #pragma unroll
       for (int u = 0; u < kU; ++u) {
         float acc = 0.f;
@@ -1193,6 +1211,7 @@ void launch_attention(const AttentionKernelParams& p, KernelStream on) {
     a.topk = p.topk_blocks;
     a.local_blocks = p.local_blocks;
     a.cluster = select_cluster(T, p.num_index_heads, bound);
+    a.decode_step = p.decode_step ? 1 : 0;
     launch_pdl_clusters(select_blocks_kernel, dim3(unsigned(T), unsigned(p.num_index_heads), unsigned(a.cluster)),
                         dim3(kSelectThreads), smem, on, unsigned(a.cluster), a);
   }
