@@ -17,8 +17,10 @@
 //    asc): ties go to the lower block, as in the CPU oracle. Up to 32 kept blocks are ranked by
 //    warps with at most one block barrier (rank_by_warps), more by repeated block-wide argmax. A
 //    chosen -inf block ends the selection (it and everything after it are dropped). Output: kept-block
-//    list int32 [T][nih][topk] in the workspace, ascending, -1 padded. Shared memory holds one
-//    uint32 per block of max_len: ceil(max_len/bs)*4 bytes (16 KiB at 256k keys, bs 64).
+//    list int32 [T][nih][topk] in the workspace, ascending, -1 padded. In a decode step the first
+//    round of keys (below the local blocks, so an earlier step's) is loaded before the PDL wait.
+//    Shared memory holds one uint32 per block of max_len: ceil(max_len/bs)*4 bytes (16 KiB at 256k
+//    keys, bs 64).
 //    Bytes: up to T * nih * pos * ihd * 2 (the index keys before the local blocks, once an index head).
 //    Not launched where the step's context bound has no more blocks than topk_blocks: every
 //    visible block would be kept, so the layer runs as a full one (attention_keeps_every_block).
