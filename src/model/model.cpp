@@ -54,7 +54,7 @@ size_t Model::activation_bytes(const ModelConfig& c_, const RankShard& shard_, i
   // gathered slices and the full row they are laid into, plus the distributed argmax's candidates.
   const size_t per_logit_row = H * a + 4 * size_t(shard_.vocab_size) + 8 +
                                (shard_.vocab_parallel() ? 8 * size_t(c_.vocab_size) + 16 * size_t(shard_.tp) + 8 : 0);
-  return T * (4 * H + 3 * H * a + worst_layer) + size_t(max_logit_rows) * per_logit_row + 4 * kAllocSlack;
+  return T * (8 * H + 3 * H * a + worst_layer) + size_t(max_logit_rows) * per_logit_row + 4 * kAllocSlack;
 }
 
 void Model::project(const SublayerInput& in, std::span<const Projection> items) {
@@ -65,16 +65,18 @@ void Model::project(const SublayerInput& in, std::span<const Projection> items) 
     else
       ops_.linears(in.h, items);
   };
-  if (in.residual.empty()) {
+  if (in.residual == nullptr) {
     linears();
   } else if (in.partial.empty()) {
-    ops_.rmsnorm(in.residual, in.norm_weight, eps, in.h);
+    ops_.rmsnorm(in.residual->now, in.norm_weight, eps, in.h);
     linears();
   } else if (in.reduce_in_norm) {
-    comm_.allreduce_add_rmsnorm(in.partial, in.residual, in.norm_weight, eps, in.h);
+    comm_.allreduce_add_rmsnorm(in.partial, in.residual->now, in.norm_weight, eps, in.h);
     linears();
   } else {
-    ops_.add_rmsnorm_linears(in.partial, in.residual, in.norm_weight, eps, in.h, items);
+    ResidualStream& r = *in.residual;
+    const Tensor next = ops_.add_rmsnorm_linears(in.partial, r.now, r.spare, in.norm_weight, eps, in.h, items);
+    if (next.data == r.spare.data) std::swap(r.now, r.spare);
   }
 }
 
@@ -171,20 +173,21 @@ Tensor Model::forward(const StepTokens& step) {
   const float eps = c_.rms_norm_eps;
   // The residual stream stays fp32 on every backend: it accumulates 2 x num_layers updates, and
   // rounding it to bf16 after each would cost more accuracy than its bytes are worth.
-  Tensor residual = ops_.alloc_typed(T, H, DType::kF32), h = ops_.alloc(T, H);
+  ResidualStream residual{ops_.alloc_typed(T, H, DType::kF32), ops_.alloc_typed(T, H, DType::kF32)};
+  Tensor h = ops_.alloc(T, H);
   // The previous layer's MLP output: reduced, or a partial sum when deferred. Each layer reads it
   // in its input norm before its own MLP overwrites it.
   Tensor pending = ops_.alloc(T, H), attn_out = ops_.alloc(T, H);
-  ops_.embed(w_.embed, residual);
+  ops_.embed(w_.embed, residual.now);
   for (int l = 0; l < c_.num_layers; ++l) {
     const LayerPlan& lp = plan_.layers[l];
     const LayerWeights& lw = w_.layers[l];
     const size_t layer_scratch = ops_.mark();
     // The input norm (of the embedding alone in the first layer) runs with the q/k/v projections.
-    attention(l, {h, residual, l == 0 ? Tensor() : pending, lw.input_norm, lp.fuse_input_allreduce}, T, attn_out);
+    attention(l, {h, &residual, l == 0 ? Tensor() : pending, lw.input_norm, lp.fuse_input_allreduce}, T, attn_out);
     if (lp.attention == Reduce::kImmediate) comm_.all_reduce(attn_out);
     // The post-attention norm runs with the MLP's first projection (the router's, in a MoE layer).
-    const SublayerInput mlp_in{h, residual, attn_out, lw.post_attention_norm, lp.attention == Reduce::kFusedIntoNorm};
+    const SublayerInput mlp_in{h, &residual, attn_out, lw.post_attention_norm, lp.attention == Reduce::kFusedIntoNorm};
     if (c_.mlp_layer_types[l] == MlpType::kDense)
       mlp(mlp_in, lw.dense, T, pending);
     else
@@ -193,9 +196,9 @@ Tensor Model::forward(const StepTokens& step) {
     ops_.release(layer_scratch);
   }
   if (plan_.final_norm_fused)
-    comm_.allreduce_add_rmsnorm(pending, residual, w_.final_norm, eps, h);
+    comm_.allreduce_add_rmsnorm(pending, residual.now, w_.final_norm, eps, h);
   else
-    ops_.add_rmsnorm(pending, residual, w_.final_norm, eps, h);
+    ops_.add_rmsnorm(pending, residual.now, w_.final_norm, eps, h);
 
   const int rows = int(step.logit_rows.size());
   if (rows == 0) return Tensor();  // a prefill chunk that ends no prompt: no logits wanted

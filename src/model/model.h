@@ -43,12 +43,17 @@ class Model {
   // A sublayer's input h: ready, or made by the norm of the residual stream in front of the sublayer,
   // which the sublayer runs together with its first projections (project(): one call, so a backend
   // may fuse the norm into them).
+  // The fp32 residual stream: `now` holds it; `spare`, of its shape, is where a norm may write the
+  // next value instead of updating `now` in place (Ops::add_rmsnorm_linears), after which they swap.
+  struct ResidualStream {
+    Tensor now, spare;
+  };
   struct SublayerInput {
     Tensor h;
-    // Empty: h is ready. Set: residual += partial, then h = norm(residual) with norm_weight; the
+    // Null: h is ready. Set: residual += partial, then h = norm(residual) with norm_weight; the
     // partial is all-reduced inside the norm when reduce_in_norm (the fusion plan), and there is none
     // for the first layer's input norm (the residual is the embedding).
-    Tensor residual;
+    ResidualStream* residual = nullptr;
     Tensor partial, norm_weight;
     bool reduce_in_norm = false;
   };

@@ -208,11 +208,17 @@ class Ops {
   // add_rmsnorm(partial, residual, weight, eps, out) and then linears(out, items), as one call, so
   // that a backend may run the norm inside its projection kernel (the GPU does for a decode batch
   // when its GEMV takes the projections and every block reading the rows costs less than a launch:
-  // gemv.cuh). The same results, out and the residual included.
-  virtual void add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out,
-                                   std::span<const Projection> items) {
+  // gemv.cuh). The same results, out and the new residual included. The new residual (residual +
+  // partial) goes into `residual` in place or into `spare`, a buffer of its shape and type, leaving
+  // `residual` as it was: the backend chooses (a kernel whose every block reads the residual rows
+  // would otherwise have to wait for all of them before one may write), and returns the one that
+  // holds it.
+  virtual Tensor add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor spare, Tensor weight, float eps,
+                                     Tensor out, std::span<const Projection> items) {
+    (void)spare;
     add_rmsnorm(partial, residual, weight, eps, out);
     linears(out, items);
+    return residual;
   }
   // y += x
   virtual void add(Tensor x, Tensor y) = 0;

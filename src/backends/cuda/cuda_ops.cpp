@@ -113,8 +113,6 @@ CudaOps::CudaOps(const CudaReserve& reserve, const CudaOpsOptions& options)
   kernels_ = {stream_, options.pdl};
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&arena_), reserve.arena_bytes));
   if (reserve.moe_workspace_bytes) CUDA_CHECK(cudaMalloc(&moe_workspace_, reserve.moe_workspace_bytes));
-  CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_arrivals_), sizeof(unsigned)));
-  CUDA_CHECK(cudaMemsetAsync(norm_arrivals_, 0, sizeof(unsigned), stream_));
   // Token ids, positions, slots and logit rows: 4 arrays of max_tokens.
   const size_t step_bytes = (4 * size_t(reserve.max_tokens) + 1) * sizeof(int32_t);
   CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&step_device_), step_bytes));
@@ -169,7 +167,6 @@ CudaOps::~CudaOps() {
   if (sample_uploaded_) cudaEventDestroy(sample_uploaded_);
   cudaFree(attention_workspace_);
   cudaFree(moe_workspace_);
-  cudaFree(norm_arrivals_);
   cudaFree(arena_);
   cudaFree(step_device_);
   cudaFree(routed_);
@@ -366,17 +363,18 @@ void CudaOps::add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float 
                      kernels_);
 }
 
-void CudaOps::add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out,
-                                  std::span<const Projection> items) {
+Tensor CudaOps::add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor spare, Tensor weight, float eps, Tensor out,
+                                    std::span<const Projection> items) {
   GemvParams p;
-  if (partial.dtype == DType::kBF16 && residual.dtype == DType::kF32 && residual.dim(0) == out.dim(0) &&
-      residual.dim(1) == out.dim(1) && gemv_params(out, items, p)) {
+  if (partial.dtype == DType::kBF16 && residual.dtype == DType::kF32 && spare.dtype == DType::kF32 &&
+      spare.ndim == residual.ndim && spare.shape == residual.shape && spare.data != residual.data &&
+      residual.dim(0) == out.dim(0) && residual.dim(1) == out.dim(1) && gemv_params(out, items, p)) {
     p.x = nullptr;  // the launch computes x: the norm's out
-    p.norm = {bf16(partial), residual.as<float>(), weight.as<float>(), eps, norm_arrivals_, bf16_mut(out)};
+    p.norm = {bf16(partial), residual.as<float>(), spare.as<float>(), weight.as<float>(), eps, bf16_mut(out)};
     if (gemv_norm_pays(p)) {
       const auto timer = timed(fmt::format("add_rmsnorm + linears x{}", items.size()));
       launch_gemv(p, kernels_);
-      return;
+      return spare;  // the sums went there (gemv.cuh)
     }
   }
   add_rmsnorm(partial, residual, weight, eps, out);
@@ -384,6 +382,7 @@ void CudaOps::add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight
     linear(out, items[0].weight, items[0].out);
   else
     linears(out, items);
+  return residual;
 }
 
 void CudaOps::add(Tensor x, Tensor y) {

@@ -90,8 +90,8 @@ class CudaOps final : public Ops {
   void embed(Tensor table, Tensor out) override;
   void rmsnorm(Tensor x, Tensor weight, float eps, Tensor out) override;
   void add_rmsnorm(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out) override;
-  void add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor weight, float eps, Tensor out,
-                           std::span<const Projection> items) override;
+  Tensor add_rmsnorm_linears(Tensor partial, Tensor residual, Tensor spare, Tensor weight, float eps, Tensor out,
+                             std::span<const Projection> items) override;
   void add(Tensor x, Tensor y) override;
   void linear(Tensor x, Tensor weight, Tensor out) override;
   void linears(Tensor x, std::span<const Projection> items) override;
@@ -133,7 +133,6 @@ class CudaOps final : public Ops {
   void* moe_workspace_ = nullptr;
   void* attention_workspace_ = nullptr;
   size_t attention_workspace_bytes_ = 0;
-  unsigned* norm_arrivals_ = nullptr;  // GemvInputNorm::arrivals: 0 between launches
 
   // The current step's metadata on the device: token ids, positions, slots, logit rows (one copy).
   int32_t* step_device_ = nullptr;

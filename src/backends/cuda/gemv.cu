@@ -10,7 +10,7 @@
 // wait; the first weight loads go before it. Sums: each lane accumulates its k chunks in order,
 // then one warp reduction per (row, token), then the k-split partials in warp order.
 // With an input norm (GemvInputNorm) the block computes x itself where it would copy it: the norm
-// threads of norm_math.cuh run by its 4 warps, so x, the residual and the outputs are the bits of
+// threads of norm_math.cuh run by its 4 warps, so x, the new residual and the outputs are the bits of
 // add_rmsnorm followed by the plain GEMV.
 #include "backends/cuda/gemv.cuh"
 
@@ -52,7 +52,7 @@ struct GemvBatch {
 // x = the input norm of the M residual rows (GemvInputNorm), into shared memory. The norm threads of
 // norm_math.cuh (norm warp v: chunks 32v + lane, + norm_threads, ...) run on the block's warps, warp w
 // taking norm warps w, w + kGemvWarps, ...; every warp then adds the norm warps' sums in block_sum's
-// shape itself. Returns after a barrier, with every read of the residual done.
+// shape itself. Block 0 also stores the sums (residual_out) and x (out). Returns after a barrier.
 template <int M>
 __device__ void stage_normed_rows(const GemvBatch& b, uint16_t* xs) {
   __shared__ float norm_warp_sums[M][kMaxBlockThreads / kWarp];
@@ -80,11 +80,17 @@ __device__ void stage_normed_rows(const GemvBatch& b, uint16_t* xs) {
     const float4* res4 = reinterpret_cast<const float4*>(n.residual + size_t(m) * K);
     const uint4* part = reinterpret_cast<const uint4*>(n.partial + size_t(m) * K);
     const float inv = inverse_rms(warp_sum(lane < norm_warps ? norm_warp_sums[m][lane] : 0.f), K, n.eps);
+    float4* out4 = reinterpret_cast<float4*>(n.residual_out + size_t(m) * K);
     for (int c = tid; c < chunks; c += blockDim.x) {
       float4 r0 = res4[2 * c], r1 = res4[2 * c + 1];
       add_chunk_sum_squares(r0, r1, part + c, 0.f);  // the same sums as above (its squares unused)
-      reinterpret_cast<uint4*>(xs + size_t(m) * K)[c] =
-          normed_chunk(r0, r1, __ldg(&w4[2 * c]), __ldg(&w4[2 * c + 1]), inv);
+      const uint4 x = normed_chunk(r0, r1, __ldg(&w4[2 * c]), __ldg(&w4[2 * c + 1]), inv);
+      reinterpret_cast<uint4*>(xs + size_t(m) * K)[c] = x;
+      if (blockIdx.x == 0) {
+        out4[2 * c] = r0;
+        out4[2 * c + 1] = r1;
+        reinterpret_cast<uint4*>(n.out + size_t(m) * K)[c] = x;
+      }
     }
   }
   __syncthreads();
@@ -96,37 +102,6 @@ __device__ __forceinline__ void prefetch_norm_weight(const GemvBatch& b) {
   constexpr int kLineFloats = 32;
   for (int i = threadIdx.x; i * kLineFloats < b.K; i += blockDim.x)
     asm volatile("prefetch.global.L1 [%0];\n" ::"l"(b.norm.weight + i * kLineFloats));
-}
-
-// After stage_normed_rows, the block counts itself among those done reading the residual (every read
-// went into its barrier's values), and block 0 stores x (to norm.out). Thread 0's count comes back while the block
-// streams its weights; finish_norm reads it.
-template <int M>
-__device__ __forceinline__ unsigned arrive_norm(const GemvBatch& b, const uint16_t* xs) {
-  if (blockIdx.x == 0)
-    for (int i = threadIdx.x; i < M * b.K / 8; i += blockDim.x)
-      reinterpret_cast<uint4*>(b.norm.out)[i] = reinterpret_cast<const uint4*>(xs)[i];
-  return threadIdx.x == 0 ? atomicAdd(b.norm.arrivals, 1u) : 0u;
-}
-
-// The last block to arrive (all blocks have read the residual) writes the residual rows' new sums and
-// sets the count back to 0 for the next launch; its writes depend on the count it got, so no block's
-// read sees a new sum. Call with every thread, after the main loop; contains a barrier.
-template <int M>
-__device__ void finish_norm(const GemvBatch& b, unsigned arrived_before) {
-  __shared__ bool last;
-  if (threadIdx.x == 0) last = arrived_before == gridDim.x - 1;
-  __syncthreads();
-  if (!last) return;
-  const GemvInputNorm& n = b.norm;
-  for (int i = threadIdx.x; i < M * b.K / 8; i += blockDim.x) {
-    float4* res4 = reinterpret_cast<float4*>(n.residual) + 2 * size_t(i);
-    float4 r0 = res4[0], r1 = res4[1];
-    add_chunk_sum_squares(r0, r1, reinterpret_cast<const uint4*>(n.partial) + i, 0.f);
-    res4[0] = r0;
-    res4[1] = r1;
-  }
-  if (threadIdx.x == 0) *n.arrivals = 0u;
 }
 
 // Rows of one output a block covers: kRowsPerWarp per group of k_split warps.
@@ -177,10 +152,8 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
 
   pdl_wait();
   pdl_trigger();
-  unsigned arrived_before = 0;
   if (norm) {
     stage_normed_rows<M>(b, xs);
-    arrived_before = arrive_norm<M>(b, xs);
   } else {
     for (int i = tid; i < M * K / 8; i += blockDim.x)
       reinterpret_cast<uint4*>(xs)[i] = reinterpret_cast<const uint4*>(b.x)[i];
@@ -236,7 +209,6 @@ __global__ void __launch_bounds__(kGemvWarps* kWarp) gemv_kernel(const GemvBatch
       if (lane == 0) partial[(warp * kRowsPerWarp + r) * kGemvMaxM + m] = v;
     }
   __syncthreads();
-  if (norm) finish_norm<M>(b, arrived_before);
   // Lanes of a group's first warp write its rows: the k slices' sums added in slice order.
   if (slice != 0 || lane >= kRowsPerWarp * M) return;
   const int r = lane / M, m = lane % M, n = row0 + r;
@@ -302,8 +274,9 @@ bool gemv_fits(const GemvParams& p) {
     if ((o.w_scale != nullptr) != fp8 || !aligned16(o.w) || o.N < 1) return false;
   }
   const GemvInputNorm& n = p.norm;
-  if (n.residual != nullptr && (p.x != nullptr || n.out == nullptr || !aligned16(n.out) || !aligned16(n.residual) ||
-                                !aligned16(n.partial) || !aligned16(n.weight) || n.arrivals == nullptr))
+  if (n.residual != nullptr && (p.x != nullptr || n.out == nullptr || n.residual_out == nullptr ||
+                                n.residual_out == n.residual || !aligned16(n.out) || !aligned16(n.residual) ||
+                                !aligned16(n.residual_out) || !aligned16(n.partial) || !aligned16(n.weight)))
     return false;
   return true;
 }
@@ -321,7 +294,7 @@ void launch_gemv(const GemvParams& p, KernelStream on) {
   check_arg(gemv_fits(p),
             "launch_gemv: operands it does not take (M in [1, 8], K % 16 (MXFP8: 32), 16-byte "
             "aligned x and weights, one weight format, at most 6 outputs; an input norm's partial, "
-            "residual, weight and out 16-byte aligned, its arrivals word set, x null)");
+            "residual, residual_out (another buffer), weight and out 16-byte aligned, x null)");
   GemvBatch b;
   b.x = reinterpret_cast<const uint16_t*>(p.x);
   b.K = p.K;

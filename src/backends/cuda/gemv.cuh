@@ -28,19 +28,21 @@ struct GemvOutput {
   int N = 0;
 };
 
-// The input norm a GEMV may run itself (tp 1: nothing to reduce first): residual[M, K] += partial;
-// x = gemma_rmsnorm(residual) * (1 + weight), as add_rmsnorm computes them, bit for bit (norm_math.cuh).
-// Every block normalises the M rows into its shared memory (they are small and L2-hot); block 0 also
-// writes them to `out` (for the layer's other readers of x), and the last block to finish reading the
-// residual writes the sums back (a count of arrived blocks in `arrivals`, which that block sets back
-// to zero). So one launch does the norm and the projections, at the price of every block reading the
-// rows: gemv_norm_pays says when that is less than the launch it saves.
+// The input norm a GEMV may run itself (tp 1: nothing to reduce first): residual_out[M, K] =
+// residual + partial; x = gemma_rmsnorm(residual_out) * (1 + weight), as add_rmsnorm computes them,
+// bit for bit (norm_math.cuh). Every block normalises the M rows into its shared memory (they are
+// small and L2-hot); block 0 also writes them to `out` (for the layer's other readers of x) and the
+// sums to residual_out. The sums go to another buffer than the one every block reads: written in
+// place, they would have to wait until the last block had read the rows (an arrival count, and that
+// block's writes at the end of the kernel's chain). So one launch does the norm and the projections,
+// at the price of every block reading the rows: gemv_norm_pays says when that is less than the launch
+// it saves.
 struct GemvInputNorm {
   const __nv_bfloat16* partial = nullptr;  // [M, K]
-  float* residual = nullptr;               // [M, K] fp32, updated
+  const float* residual = nullptr;         // [M, K] fp32, read
+  float* residual_out = nullptr;           // [M, K] fp32: residual + partial (not residual itself)
   const float* weight = nullptr;           // [K] fp32
   float eps = 0;
-  unsigned* arrivals = nullptr;  // a device word that is 0 between launches (none may share it at once)
   __nv_bfloat16* out = nullptr;  // [M, K]: x, the normed rows, as add_rmsnorm's out
 };
 
@@ -54,7 +56,8 @@ struct GemvParams {
 
 // Whether launch_gemv takes these operands: 1 <= M <= kGemvMaxM, K % 16 == 0 (K % 32 for MXFP8),
 // 16-byte aligned x and weights, every output of one weight format, x small enough for shared memory;
-// with an input norm, 16-byte aligned partial, residual, weight and out, an arrivals word and no x.
+// with an input norm, 16-byte aligned partial, residual, residual_out (another buffer), weight and
+// out, and no x.
 bool gemv_fits(const GemvParams& p);
 // Whether running the input norm inside the GEMV (every block reading M rows of residual and partial
 // and the norm weight) costs less than the norm's own launch: when those redundant reads, from L2,
