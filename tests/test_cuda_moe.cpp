@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>
@@ -126,6 +127,38 @@ TEST(CudaMoeRoute, TiesGoToTheLowerId) {
   check_route(logits, flat_bias, T, E, k, 1, 0.5f);
   const RouteResult flat = route_gpu(logits, flat_bias, T, E, k, 1, 0.5f);
   EXPECT_EQ(std::vector<int32_t>(flat.ids.begin() + 15, flat.ids.end()), (std::vector<int32_t>{0, 1, 2, 3, E}));
+}
+
+// A NaN logit or bias ranks as -inf, as in the oracle (test_router.cpp), so every id is an expert's:
+// the warp's scan never takes a NaN, and a token of NaN logits came out with id 0x7fffffff before
+// (a weight row far past the end, for the layer that routes inside). A chosen NaN score makes the
+// token's weights NaN on both.
+TEST(CudaMoeRoute, NaNRanksAsMinusInfinity) {
+  TPMOE_REQUIRE_GPU();
+  const int T = 3, E = 40, k = 8;
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> logits = random_floats(size_t(T) * E, 2.f, 9);
+  std::vector<float> bias = uniform_floats(size_t(E), -0.05f, 0.05f, 10);
+  bias[7] = nan;
+  for (int e : {0, 32, 39}) logits[e] = nan;                   // token 0: a few, two in lane 0
+  std::fill(logits.begin() + E, logits.begin() + 2 * E, nan);  // token 1: all of them
+  logits[2 * E + 5] = 9.f;                                     // token 2: only the bias's NaN
+  const RouteResult want = route_cpu(logits, bias, T, E, k, 1, 0.5f);
+  const RouteResult got = route_gpu(logits, bias, T, E, k, 1, 0.5f);
+  ASSERT_EQ(got.ids, want.ids);
+  for (size_t i = 0; i < want.weights.size(); ++i) {
+    if (std::isnan(want.weights[i]))
+      EXPECT_TRUE(std::isnan(got.weights[i])) << "slot " << i;
+    else
+      EXPECT_NEAR(got.weights[i], want.weights[i], 1e-6) << "slot " << i;
+  }
+  // The setup means what it says: NaN experts never chosen while numbers are left, token 1's the k
+  // lowest ids.
+  for (int s = 0; s < k; ++s) {
+    for (int bad : {0, 7, 32, 39}) EXPECT_NE(got.ids[size_t(s)], bad);
+    EXPECT_EQ(got.ids[size_t(k + 1 + s)], s);
+    EXPECT_NE(got.ids[size_t(2 * (k + 1) + s)], 7);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -511,6 +544,47 @@ TEST(CudaMoeExperts, RoutingInsideTheLayerMatchesRoutingFirst) {
       inside.p.route.num_shared = s.n + 1;  // slots of another layer
       EXPECT_THROW(cuda::launch_moe(inside.p, nullptr), Error) << what;
     }
+  }
+}
+
+// A single token whose router logits are all NaN, routed inside the layer (the single-token GEMVs)
+// and first (the general path): the k lowest ids, a NaN output row, and no fault (the routing of
+// NaN once gave an id far past the weights).
+TEST(CudaMoeExperts, NaNRouterLogitsGiveANaNRow) {
+  TPMOE_REQUIRE_GPU();
+  const int E = 16, k = 4, n = 1, H = 256, I = 128;
+  const MoeInputs in = make_inputs(1, k + n, H, I, E + n, 1.f, std::vector<int32_t>(k + n, 0), 161);
+  const DeviceBuffer<float> logits(std::vector<float>(E, std::numeric_limits<float>::quiet_NaN()));
+  const DeviceBuffer<float> bias(std::vector<float>(E, 0.f));
+  const DeviceBuffer<int32_t> real_tokens(std::vector<int32_t>{1});
+  for (bool inside : {true, false}) {
+    MoeDevice dev(in, 1);
+    DeviceBuffer<uint8_t> flags(std::vector<uint8_t>(E, 0));
+    dev.ids.poison();
+    dev.weights.poison();
+    cuda::RouteKernelParams r;
+    r.logits = logits.get();
+    r.bias = bias.get();
+    r.num_tokens = 1;
+    r.num_experts = E;
+    r.top_k = k;
+    r.num_shared = n;
+    r.shared_weight = 0.4f;
+    r.num_real_tokens = real_tokens.get();
+    r.slot_ids = dev.ids.get();
+    r.slot_weights = dev.weights.get();
+    r.routed_flags = flags.get();
+    dev.p.tuning.single_token_gemv = inside;
+    if (inside) {
+      dev.p.route = r;
+    } else {
+      cuda::launch_route(r, nullptr);
+    }
+    cuda::launch_moe(dev.p, nullptr);
+    const char* path = inside ? "routed inside" : "routed first";
+    EXPECT_EQ(dev.ids.download(), (std::vector<int32_t>{0, 1, 2, 3, E})) << path;
+    EXPECT_EQ(flags.download(), (std::vector<uint8_t>{1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0})) << path;
+    for (float v : from_bf16(dev.out.download())) ASSERT_TRUE(std::isnan(v)) << path;
   }
 }
 

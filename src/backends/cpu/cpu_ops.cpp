@@ -253,7 +253,11 @@ void CpuOps::route(Tensor router_logits, Tensor bias, const RouterParams& p, Ten
   for (int t = 0; t < T; ++t) {
     for (int e = 0; e < E; ++e) {
       score[e] = sigmoid(router_logits.as<float>()[size_t(t) * E + e]);
-      choice[e] = score[e] + bias.as<float>()[e];  // the bias only chooses
+      // The bias only chooses. A NaN choice (a NaN logit or bias) ranks as -inf: below every number,
+      // tied with -inf (to the lower id), so the order below is a strict one and every id is an
+      // expert's. Its score stays NaN and so do the token's weights.
+      const float c = score[e] + bias.as<float>()[e];
+      choice[e] = std::isnan(c) ? -std::numeric_limits<float>::infinity() : c;
     }
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(),

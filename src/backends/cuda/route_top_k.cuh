@@ -15,8 +15,8 @@ namespace tpmoe::cuda {
 constexpr int kRouteMaxPerLane = 8;  // num_experts <= 32 * 8
 
 // Lane r < top_k ends with the r-th choice: its expert id and its weight (sigmoid score renormalised
-// over the k chosen). Choices by score + bias (the bias only chooses), ties to the lower id, as the
-// CPU oracle; fp32 sigmoid with precise expf. All 32 lanes must call it.
+// over the k chosen). Choices by score + bias (the bias only chooses; NaN as -inf), ties to the lower
+// id, as the CPU oracle; fp32 sigmoid with precise expf. All 32 lanes must call it.
 struct RouteChoice {
   int id = 0;
   float weight = 0.f;
@@ -40,7 +40,11 @@ __device__ inline RouteChoice route_top_k(const RouteKernelParams& p, int token,
   for (int i = 0; i < kRouteMaxPerLane; ++i) {
     const bool live = lane + 32 * i < E;
     score[i] = live ? 1.f / (1.f + expf(-logit[i])) : 0.f;
-    choice[i] = live ? score[i] + bias[i] : -INFINITY;
+    // A NaN choice (a NaN logit or bias) ranks as -inf, below every number and tied with -inf, as in
+    // the oracle. The scan below never takes a NaN: a token of NaNs would end with id 0x7fffffff, a row
+    // far past the weights.
+    const float c = score[i] + bias[i];
+    choice[i] = live && !isnan(c) ? c : -INFINITY;
   }
 
   uint32_t taken = 0;  // bit i: expert lane + 32*i already chosen
