@@ -45,23 +45,31 @@ RouteResult route_cpu(std::vector<float> logits, std::vector<float> bias, int T,
   return r;
 }
 
+// The router's arguments for T tokens of E logits each, routed to k experts and n_shared shared slots
+// with weight shared_weight, into ids and weights ([T][k + n_shared]).
+cuda::RouteKernelParams route_params(const float* logits, const float* bias, int T, int E, int k, int n_shared,
+                                     float shared_weight, int32_t* ids, float* weights) {
+  cuda::RouteKernelParams p;
+  p.logits = logits;
+  p.bias = bias;
+  p.slot_ids = ids;
+  p.slot_weights = weights;
+  p.num_tokens = T;
+  p.num_experts = E;
+  p.top_k = k;
+  p.num_shared = n_shared;
+  p.shared_weight = shared_weight;
+  return p;
+}
+
 RouteResult route_gpu(const std::vector<float>& logits, const std::vector<float>& bias, int T, int E, int k,
                       int n_shared, float shared_weight) {
   const int slots = k + n_shared;
   DeviceBuffer<float> d_logits(logits), d_bias(bias);
   DeviceBuffer<int32_t> d_ids(size_t(T) * slots);  // poisoned: -1 until written
   DeviceBuffer<float> d_w(size_t(T) * slots);      // poisoned: NaN until written
-  cuda::RouteKernelParams p;
-  p.logits = d_logits.get();
-  p.bias = d_bias.get();
-  p.slot_ids = d_ids.get();
-  p.slot_weights = d_w.get();
-  p.num_tokens = T;
-  p.num_experts = E;
-  p.top_k = k;
-  p.num_shared = n_shared;
-  p.shared_weight = shared_weight;
-  cuda::launch_route(p, nullptr);
+  cuda::launch_route(
+      route_params(d_logits.get(), d_bias.get(), T, E, k, n_shared, shared_weight, d_ids.get(), d_w.get()), nullptr);
   return {d_ids.download(), d_w.download()};
 }
 
@@ -502,14 +510,8 @@ TEST(CudaMoeExperts, RoutingInsideTheLayerMatchesRoutingFirst) {
       MoeDevice first(in, s.T), inside(in, s.T);
       DeviceBuffer<uint8_t> flags_first(std::vector<uint8_t>(size_t(s.E), 0)),
           flags_inside(std::vector<uint8_t>(size_t(s.E), 0));
-      cuda::RouteKernelParams r;
-      r.logits = d_logits.get();
-      r.bias = d_bias.get();
-      r.num_tokens = s.T;
-      r.num_experts = s.E;
-      r.top_k = s.k;
-      r.num_shared = s.n;
-      r.shared_weight = 0.4f;
+      cuda::RouteKernelParams r =
+          route_params(d_logits.get(), d_bias.get(), s.T, s.E, s.k, s.n, 0.4f, /*ids=*/nullptr, /*weights=*/nullptr);
       r.num_real_tokens = real_tokens.get();
       for (MoeDevice* dev : {&first, &inside}) {
         dev->p.tuning.single_token_gemv = mode < 2;
@@ -562,17 +564,9 @@ TEST(CudaMoeExperts, NaNRouterLogitsGiveANaNRow) {
     DeviceBuffer<uint8_t> flags(std::vector<uint8_t>(E, 0));
     dev.ids.poison();
     dev.weights.poison();
-    cuda::RouteKernelParams r;
-    r.logits = logits.get();
-    r.bias = bias.get();
-    r.num_tokens = 1;
-    r.num_experts = E;
-    r.top_k = k;
-    r.num_shared = n;
-    r.shared_weight = 0.4f;
+    cuda::RouteKernelParams r =
+        route_params(logits.get(), bias.get(), 1, E, k, n, 0.4f, dev.ids.get(), dev.weights.get());
     r.num_real_tokens = real_tokens.get();
-    r.slot_ids = dev.ids.get();
-    r.slot_weights = dev.weights.get();
     r.routed_flags = flags.get();
     dev.p.tuning.single_token_gemv = inside;
     if (inside) {
